@@ -1,0 +1,220 @@
+"""The ``checkpointing`` scope: a context manager and decorator over a ContextVar."""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, TypeVar, Union
+
+from torch import nn
+
+from . import _targets
+from ._state import SCOPE, Scope
+
+__all__ = ["checkpointing"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+Predicate = Callable[[str, nn.Module], bool]
+Target = Union[nn.Module, type, Predicate]
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing():``
+    """Make checkpoint regions active in the current context.
+
+    Inside the block every :func:`scopedckpt.checkpoint` call (with grad
+    enabled) is a checkpoint region, and so is the forward of every module the
+    ``targets`` select. Scoped layers (:class:`scopedckpt.Dropout`,
+    :class:`scopedckpt.BatchNorm2d`, ...) inside a region record what they
+    decide in the first forward and replay it in the backward recompute.
+
+    Scoping follows :mod:`contextvars`:
+
+    * **Nesting.** An inner block adds its targets to the outer ones;
+      ``checkpointing(enabled=False)`` stops new regions inside it (a region
+      already running keeps replaying its layers exactly).
+    * **Exceptions.** The scope is reset in ``finally``; nothing stays active.
+    * **Threads.** A plain new thread does not see the scope; one started
+      through ``contextvars.copy_context().run`` does. Module targets are
+      regions only for calls made in a context where the scope is active.
+    * **asyncio.** Each task runs in a copy of its creator's context, so a
+      task sees the scope it was created in and a scope entered inside a task
+      stays inside that task.
+    * **Backward.** The recompute runs inside ``loss.backward()``, usually after
+      the block exited and, on CUDA, on an autograd worker thread; each region
+      carries its scope and re-enters it for the recompute, so nothing else
+      needs to be active then.
+
+    Parameters
+    ----------
+    *targets
+        Modules whose forward becomes a region while the scope is active, with
+        no wrapper modules: a module instance; an ``nn.ModuleList`` or
+        ``nn.ModuleDict`` (each child); a module class (every instance of it
+        and of its subclasses); or a predicate ``(qualified_name, module) ->
+        bool`` over ``root.named_modules()``.
+    enabled
+        ``False`` turns checkpointing off inside the block.
+    strict
+        Raise :class:`scopedckpt.ScopedCkptError` when a region's first forward
+        draws random numbers that no scoped layer drew (plain ``nn.Dropout``,
+        ``torch.rand``), naming the op. ``None`` inherits the outer scope's
+        setting (off by default). It costs a dispatch hook per op: a debug aid.
+    root
+        The model predicates are evaluated against; needed only with them.
+
+    Raises
+    ------
+    TypeError
+        If a target is neither a module, a module class nor a callable, or a
+        flag is not a bool.
+    ValueError
+        If a predicate target is given without ``root``.
+
+    Example
+    -------
+    >>> import torch, scopedckpt
+    >>> model = torch.nn.Sequential(
+    ...     torch.nn.Linear(8, 8), scopedckpt.BatchNorm1d(8), scopedckpt.Dropout(0.1))
+    >>> x = torch.randn(4, 8)
+    >>> with scopedckpt.checkpointing(model):
+    ...     loss = model(x).square().sum()
+    >>> loss.backward()
+    >>> int(model[1].num_batches_tracked)   # once, not twice
+    1
+    """
+
+    def __init__(
+        self,
+        *targets: Target,
+        enabled: bool = True,
+        strict: bool | None = None,
+        root: nn.Module | None = None,
+    ) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(
+                f"scopedckpt: checkpointing(enabled=...) must be a bool, got "
+                f"{type(enabled).__name__}. Module targets go before the keywords: "
+                "checkpointing(model.blocks, enabled=True)."
+            )
+        if strict is not None and not isinstance(strict, bool):
+            raise TypeError(
+                f"scopedckpt: checkpointing(strict=...) must be a bool or None, got "
+                f"{type(strict).__name__}."
+            )
+        if root is not None and not isinstance(root, nn.Module):
+            raise TypeError(
+                f"scopedckpt: checkpointing(root=...) must be an nn.Module, got "
+                f"{type(root).__name__}."
+            )
+        self._targets = targets
+        self._enabled = enabled
+        self._strict = strict
+        self._root = root
+        self._modules, self._classes = _resolve(targets, root)
+        self._entries: list[tuple[contextvars.Token[Scope | None], _targets.Patches]] = []
+
+    def __repr__(self) -> str:
+        parts = [repr(t) if not isinstance(t, nn.Module) else type(t).__name__ for t in self._targets]
+        parts.append(f"enabled={self._enabled}")
+        if self._strict is not None:
+            parts.append(f"strict={self._strict}")
+        return f"checkpointing({', '.join(parts)})"
+
+    def __enter__(self) -> checkpointing:
+        parent = SCOPE.get()
+        strict = self._strict
+        if strict is None:
+            strict = parent.strict if parent is not None else False
+        modules = tuple(self._modules)
+        classes = self._classes
+        keep: tuple[Any, ...] = modules
+        if parent is not None:
+            modules_ids = parent.modules | {id(m) for m in modules}
+            classes = parent.classes + tuple(c for c in classes if c not in parent.classes)
+            keep = parent.keep + modules
+        else:
+            modules_ids = frozenset(id(m) for m in modules)
+        scope = Scope(self._enabled, strict, frozenset(modules_ids), classes, keep)
+        patches = _targets.install(modules, self._classes)
+        self._entries.append((SCOPE.set(scope), patches))
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        token, patches = self._entries.pop()
+        try:
+            SCOPE.reset(token)
+        finally:
+            patches.remove()
+
+    def _fresh(self) -> checkpointing:
+        return checkpointing(
+            *self._targets, enabled=self._enabled, strict=self._strict, root=self._root
+        )
+
+    def __call__(self, func: F) -> F:
+        """Use the scope as a decorator: every call of ``func`` runs inside it."""
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                with self._fresh():
+                    return await func(*args, **kwargs)
+
+            return async_wrapper  # type: ignore[return-value]
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            # A fresh scope object per call keeps concurrent calls' tokens apart.
+            with self._fresh():
+                return func(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+
+def _resolve(
+    targets: tuple[Target, ...], root: nn.Module | None
+) -> tuple[list[nn.Module], tuple[type, ...]]:
+    """Split targets into module instances and module classes."""
+    modules: list[nn.Module] = []
+    classes: list[type] = []
+    for index, target in enumerate(targets):
+        if isinstance(target, _CONTAINERS):
+            children = target.values() if isinstance(target, nn.ModuleDict) else target
+            modules.extend(children)
+        elif isinstance(target, nn.Module):
+            modules.append(target)
+        elif isinstance(target, type):
+            if not issubclass(target, nn.Module):
+                raise TypeError(
+                    f"scopedckpt: checkpointing target #{index} is the class "
+                    f"{target.__name__}, which is not an nn.Module subclass. Pass module "
+                    "instances, module classes or a (name, module) -> bool predicate."
+                )
+            classes.append(target)
+        elif callable(target):
+            if root is None:
+                raise ValueError(
+                    f"scopedckpt: checkpointing target #{index} is a predicate, which needs "
+                    "a model to name modules against: pass "
+                    "checkpointing(predicate, root=model)."
+                )
+            modules.extend(m for name, m in root.named_modules() if target(name, m))
+        else:
+            raise TypeError(
+                f"scopedckpt: checkpointing target #{index} is a {type(target).__name__}; "
+                "expected an nn.Module, an nn.Module subclass or a (name, module) -> bool "
+                "predicate. To turn checkpointing off, pass enabled=False."
+            )
+    unique = list({id(m): m for m in modules}.values())
+    return unique, tuple(dict.fromkeys(classes))

@@ -1,0 +1,212 @@
+"""Context state: the active scope, the active region frame and its tape.
+
+NOTE [ tape ]
+=============
+Everything that makes a recompute exact lives on a *tape*, one per region.
+
+* A region is one call of :func:`scopedckpt.checkpoint` (or of a module that
+  :func:`scopedckpt.checkpointing` selected) inside an enabled scope with grad
+  enabled. Its *first forward* runs with a ``FORWARD`` frame on a fresh tape;
+  every *recompute* runs with a new ``RECOMPUTE`` frame (cursor 0) on the same
+  tape. Frames are per entry, so a region can be recomputed any number of
+  times, partially (torch's early stop abandons a frame half-way) or never.
+* Scoped layers take one record per call, keyed by call order: in ``FORWARD``
+  they append what they decided (a dropout seed, a batch-norm mode); in
+  ``RECOMPUTE`` they read the record at the cursor and must find their own
+  kind and owner there, else :class:`ScopedCkptError` names the layer and call
+  index (data-dependent control flow would otherwise replay a wrong mask).
+* A nested region is itself a record on its parent's tape holding the child
+  tape. When the parent is recomputed, the nested call finds its child tape
+  and replays it, both in that forward and in its own later recomputes.
+* Outside any region (``phase() is Phase.NONE``) layers behave like their
+  torch parents and record nothing.
+* Both context variables are set by the checkpoint machinery itself when a
+  recompute starts, because the recompute runs inside ``loss.backward()``,
+  usually after the ``with checkpointing()`` block exited, and on CUDA in an
+  autograd worker thread that never saw the forward's context.
+* ``checkpointing(enabled=False)`` only stops *new* regions from starting; a
+  frame already active stays, so layers inside keep recording and replaying.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+from ._errors import ScopedCkptError
+
+__all__ = ["Phase", "is_recomputing", "phase"]
+
+T = TypeVar("T")
+
+
+class Phase(enum.Enum):
+    """Where the current code runs relative to checkpoint regions.
+
+    Attributes
+    ----------
+    NONE
+        Not inside a checkpoint region: layers behave like their torch parents.
+    FORWARD
+        The first forward of a region: scoped layers record what they decide.
+    RECOMPUTE
+        A backward recompute of a region: scoped layers replay the first
+        forward and leave running statistics alone.
+
+    Example
+    -------
+    >>> import scopedckpt
+    >>> scopedckpt.phase() is scopedckpt.Phase.NONE
+    True
+    """
+
+    NONE = "none"
+    FORWARD = "forward"
+    RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What one ``checkpointing(...)`` block made active in its context."""
+
+    enabled: bool
+    strict: bool
+    modules: frozenset[int] = frozenset()  # ids of selected module instances
+    classes: tuple[type, ...] = ()  # every instance of these is selected
+    keep: tuple[Any, ...] = ()  # strong refs so the ids above stay valid
+
+    def selects(self, module: object) -> bool:
+        """Whether ``module``'s forward is a region in this scope."""
+        if not self.enabled:
+            return False
+        return id(module) in self.modules or isinstance(module, self.classes)
+
+
+@dataclass
+class Record:
+    """One scoped call on a tape (see NOTE [ tape ])."""
+
+    kind: str
+    owner_id: int | None  # None: any owner may replay it (see Frame.take)
+    owner_name: str
+    value: Any
+
+
+@dataclass
+class Tape:
+    """The records of one region, in call order."""
+
+    records: list[Record] = field(default_factory=list)
+
+
+@dataclass
+class Frame:
+    """One entry into a region: its phase, tape, replay cursor and owner."""
+
+    phase: Phase
+    tape: Tape
+    scope: Scope
+    owner: object | None = None  # the module whose forward this region is
+    cursor: int = 0
+
+    def take(self, kind: str, owner_id: int | None, owner_name: str) -> Record:
+        """Return the next record in ``RECOMPUTE``, checking it belongs to the owner."""
+        index = self.cursor
+        if index >= len(self.tape.records):
+            raise ScopedCkptError(
+                f"scopedckpt: the recompute of a checkpoint region made scoped call "
+                f"#{index} ({kind} of {owner_name}), but its first forward made only "
+                f"{len(self.tape.records)} scoped calls. The region's control flow must "
+                "not depend on data that changes between forward and backward; move the "
+                "branch outside the region or checkpoint each branch separately."
+            )
+        record = self.tape.records[index]
+        if record.kind != kind or record.owner_id != owner_id:
+            raise ScopedCkptError(
+                f"scopedckpt: the recompute of a checkpoint region made scoped call "
+                f"#{index} as {kind} of {owner_name}, but the first forward made call "
+                f"#{index} as {record.kind} of {record.owner_name}. Replaying would use "
+                "the wrong mask or statistics; the region's control flow must not depend "
+                "on data that changes between forward and backward."
+            )
+        self.cursor = index + 1
+        return record
+
+
+SCOPE: contextvars.ContextVar[Scope | None] = contextvars.ContextVar(
+    "scopedckpt_scope", default=None
+)
+FRAME: contextvars.ContextVar[Frame | None] = contextvars.ContextVar(
+    "scopedckpt_frame", default=None
+)
+
+
+def describe(owner: object) -> str:
+    """A short name for error messages: the class and the torch ``repr`` details."""
+    extra = getattr(owner, "extra_repr", None)
+    details = extra() if callable(extra) else ""
+    name = getattr(owner, "__qualname__", None) or type(owner).__name__
+    return f"{name}({details})" if details or not callable(owner) else name
+
+
+def tape_value(kind: str, owner: object, decide: Callable[[], T]) -> tuple[T, Phase]:
+    """Decide once per first forward, replay in every recompute.
+
+    Outside a region ``decide()`` is called and nothing is recorded. Inside a
+    region's first forward ``decide()`` is called and its value appended to the
+    tape. In a recompute the recorded value is returned and ``decide`` is not
+    called (so no random numbers are drawn and no state is touched).
+    """
+    frame = FRAME.get()
+    if frame is None:
+        return decide(), Phase.NONE
+    if frame.phase is Phase.RECOMPUTE:
+        return frame.take(kind, id(owner), describe(owner)).value, Phase.RECOMPUTE
+    value = decide()
+    frame.tape.records.append(Record(kind, id(owner), describe(owner), value))
+    return value, Phase.FORWARD
+
+
+def phase() -> Phase:
+    """Return the checkpoint phase of the code that calls it.
+
+    The answer is right inside the backward recompute too, although that runs
+    inside ``loss.backward()`` after the ``with checkpointing()`` block exited
+    and, on CUDA, on an autograd worker thread: the recompute sets it itself.
+
+    Returns
+    -------
+    Phase
+        ``Phase.NONE`` outside regions, ``Phase.FORWARD`` in a region's first
+        forward, ``Phase.RECOMPUTE`` while backward recomputes a region.
+
+    Example
+    -------
+    >>> import torch, scopedckpt
+    >>> seen = []
+    >>> def block(x):
+    ...     seen.append(scopedckpt.phase())
+    ...     return x.sin()
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> with scopedckpt.checkpointing():
+    ...     y = scopedckpt.checkpoint(block, x)
+    >>> y.sum().backward()
+    >>> [p.name for p in seen]
+    ['FORWARD', 'RECOMPUTE']
+    """
+    frame = FRAME.get()
+    return Phase.NONE if frame is None else frame.phase
+
+
+def is_recomputing() -> bool:
+    """Return whether the calling code runs in a backward recompute.
+
+    Example
+    -------
+    >>> import scopedckpt
+    >>> scopedckpt.is_recomputing()
+    False
+    """
+    return phase() is Phase.RECOMPUTE

@@ -1,0 +1,133 @@
+"""Module targets: make selected modules' forwards regions with no wrappers.
+
+While any scope selecting a module is active, in any thread, the module's
+``forward`` (the instance attribute for an instance target; the class
+attribute of the class and of every subclass defining its own ``forward`` for
+a class target) is a small function that asks the *current context's* scope
+whether this call is a region. Module structure, qualified names,
+``state_dict`` keys and user hooks are untouched: hooks run around ``forward``
+as always, outside the region. Patches are reference-counted across threads
+and nested scopes and removed when the last scope selecting them exits.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from ._engine import _region, current_region_owner
+from ._state import SCOPE
+
+__all__ = ["Patches", "install"]
+
+_LOCK = threading.Lock()
+_MISSING = object()
+
+
+@dataclass
+class _Patch:
+    count: int
+    holder: Any  # the module instance or class whose __dict__ holds the patch
+    previous: Any  # what the holder's own __dict__ had under "forward", or _MISSING
+
+
+_PATCHES: dict[int, _Patch] = {}
+
+
+def _regioned(
+    forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    scope = SCOPE.get()
+    # current_region_owner() is module: we are already inside this module's
+    # region (e.g. a subclass forward calling super().forward): stay plain.
+    if scope is not None and scope.selects(module) and current_region_owner() is not module:
+        return _region(forward, module, args, kwargs)
+    return forward(*args, **kwargs)
+
+
+def _instance_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        inner = previous if previous is not _MISSING else type(module).forward.__get__(module)
+        return _regioned(inner, module, args, kwargs)
+
+    forward.__scopedckpt_patch__ = True  # type: ignore[attr-defined]
+    return forward
+
+
+def _class_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return _regioned(original.__get__(self), self, args, kwargs)
+
+    forward.__scopedckpt_patch__ = True  # type: ignore[attr-defined]
+    return forward
+
+
+def _classes_to_patch(cls: type) -> Iterator[type]:
+    """``cls`` and every subclass that defines its own ``forward``."""
+    yield cls
+    stack = list(cls.__subclasses__())
+    seen = {cls}
+    while stack:
+        sub = stack.pop()
+        if sub in seen:
+            continue
+        seen.add(sub)
+        if "forward" in vars(sub):
+            yield sub
+        stack.extend(sub.__subclasses__())
+
+
+@dataclass
+class Patches:
+    """The patches one scope entry holds; ``remove()`` releases them once."""
+
+    holders: list[Any] = field(default_factory=list)
+
+    def remove(self) -> None:
+        with _LOCK:
+            for holder in self.holders:
+                patch = _PATCHES[id(holder)]
+                patch.count -= 1
+                if patch.count:
+                    continue
+                del _PATCHES[id(holder)]
+                if isinstance(holder, type):
+                    if patch.previous is _MISSING:
+                        delattr(holder, "forward")
+                    else:
+                        setattr(holder, "forward", patch.previous)
+                elif patch.previous is _MISSING:
+                    holder.__dict__.pop("forward", None)
+                else:
+                    holder.__dict__["forward"] = patch.previous
+            self.holders.clear()
+
+
+def install(modules: tuple[nn.Module, ...], classes: tuple[type, ...]) -> Patches:
+    """Patch the forwards of ``modules`` and ``classes`` (reference-counted)."""
+    patches = Patches()
+    holders: list[Any] = list(modules)
+    for cls in classes:
+        holders.extend(_classes_to_patch(cls))
+    with _LOCK:
+        for holder in holders:
+            existing = _PATCHES.get(id(holder))
+            if existing is not None:
+                existing.count += 1
+                patches.holders.append(holder)
+                continue
+            if isinstance(holder, type):
+                previous = vars(holder).get("forward", _MISSING)
+                setattr(holder, "forward", _class_forward(holder.forward))
+            else:
+                previous = holder.__dict__.get("forward", _MISSING)
+                holder.__dict__["forward"] = _instance_forward(holder, previous)
+            _PATCHES[id(holder)] = _Patch(1, holder, previous)
+            patches.holders.append(holder)
+    return patches

@@ -1,0 +1,461 @@
+"""Scoped dropout functions: one seed per call, replayed in recomputes.
+
+Each call in training mode draws one seed, from ``generator`` when given or
+else from torch's default CPU generator (so ``torch.manual_seed`` reproduces a
+run), and builds its mask from a private generator seeded with it. Inside a
+checkpoint region the seed goes on the region's tape and the recompute builds
+the identical mask from it; no global RNG state is stashed or restored, and the
+global stream advances exactly as much as in a run without checkpointing.
+
+For backward the mask is kept as one byte per element (``save_mask=True``,
+the default) or rebuilt from the seed (``save_mask=False``: no memory, one more
+random pass in backward). Both give the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from ._state import tape_value
+from ._torch_private import scoped_draws
+
+__all__ = [
+    "alpha_dropout",
+    "dropout",
+    "dropout1d",
+    "dropout2d",
+    "dropout3d",
+    "feature_alpha_dropout",
+]
+
+# SELU's negative saturation, as in ATen's alpha dropout.
+_ALPHA = 1.7580993408473766
+_SEED_HIGH = 2**62
+
+
+@dataclass(frozen=True)
+class _Mask:
+    """Everything needed to rebuild one call's mask and its scaling."""
+
+    seed: int
+    p: float
+    shape: tuple[int, ...]
+    device: torch.device
+    alpha: bool
+    save_mask: bool
+
+    def bits(self) -> Tensor:
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(self.seed)
+        with scoped_draws():
+            keep = torch.empty(self.shape, dtype=torch.bool, device=self.device)
+            return keep.bernoulli_(1.0 - self.p, generator=generator)
+
+    def noise(self, bits: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+        """The multiplicative noise and, for alpha dropout, the additive shift."""
+        noise = bits.to(dtype)
+        if not self.alpha:
+            return noise.div_(1.0 - self.p), None
+        a = 1.0 / math.sqrt((_ALPHA * _ALPHA * self.p + 1) * (1 - self.p))
+        shift = noise.add(-1).mul_(_ALPHA * a).add_(_ALPHA * a * self.p)
+        return noise.mul_(a), shift
+
+
+class _MaskedDropout(torch.autograd.Function):
+    """``x * noise (+ shift)`` keeping a bool mask or only the seed for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, input: Tensor, mask: _Mask, inplace: bool) -> Tensor:  # noqa: A002
+        bits = mask.bits()
+        noise, shift = mask.noise(bits, input.dtype)
+        if inplace:
+            ctx.mark_dirty(input)
+            out = input.mul_(noise)
+        else:
+            out = input * noise
+        if shift is not None:
+            out = out.add_(shift)
+        ctx.mask = mask
+        if mask.save_mask:
+            ctx.save_for_backward(bits)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        mask: _Mask = ctx.mask
+        bits = ctx.saved_tensors[0] if mask.save_mask else mask.bits()
+        noise, _ = mask.noise(bits, grad.dtype)
+        return grad * noise, None, None
+
+
+def _check_p(p: Any, where: str) -> float:
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(
+            f"scopedckpt: {where} expected p to be a float probability, got "
+            f"{type(p).__name__}. Pass e.g. p=0.1."
+        )
+    if not 0.0 <= float(p) <= 1.0 or math.isnan(float(p)):
+        raise ValueError(
+            f"scopedckpt: {where} expected p between 0 and 1 (the probability of "
+            f"zeroing an element), got p={p}. Pass e.g. p=0.1."
+        )
+    return float(p)
+
+
+def _draw_seed(generator: torch.Generator | None) -> int:
+    device = generator.device if generator is not None else torch.device("cpu")
+    with scoped_draws():
+        return int(torch.randint(0, _SEED_HIGH, (), generator=generator, device=device))
+
+
+def _dropout(
+    input: Tensor,  # noqa: A002
+    p: float,
+    training: bool,
+    inplace: bool,
+    generator: torch.Generator | None,
+    save_mask: bool,
+    *,
+    feature: bool,
+    alpha: bool,
+    owner: object,
+) -> Tensor:
+    """The one dropout implementation behind every scoped function and layer."""
+
+    if feature and input.dim() < 2:
+        raise RuntimeError(
+            f"scopedckpt: channel-wise dropout needs input with at least 2 dimensions "
+            f"(N, C, ...), but got shape {tuple(input.shape)}. Use dropout or alpha_dropout "
+            "for element-wise dropout."
+        )
+
+    def decide() -> tuple[bool, int | None]:
+        if training and 0.0 < p < 1.0 and input.numel() > 0:
+            return True, _draw_seed(generator)
+        return training, None
+
+    (was_training, seed), _ = tape_value("dropout", owner, decide)
+    if not was_training or p == 0.0 or input.numel() == 0:
+        return input
+    if seed is None:  # p == 1: everything dropped, nothing random
+        zero = torch.zeros((), dtype=input.dtype, device=input.device)
+        return input.mul_(zero) if inplace else input * zero
+    shape = tuple(input.shape[:2]) + (1,) * (input.dim() - 2) if feature else tuple(input.shape)
+    mask = _Mask(seed, p, shape, input.device, alpha, save_mask)
+    return _MaskedDropout.apply(input, mask, inplace)  # type: ignore[no-any-return]
+
+
+def _feature(
+    input: Tensor,  # noqa: A002
+    p: float,
+    training: bool,
+    inplace: bool,
+    generator: torch.Generator | None,
+    save_mask: bool,
+    owner: object,
+    *,
+    batched: bool,
+    alpha: bool,
+) -> Tensor:
+    """Channel-wise dropout, adding a batch dimension for unbatched input."""
+    if not batched:
+        input = input.unsqueeze_(0) if inplace else input.unsqueeze(0)
+    out = _dropout(
+        input, p, training, inplace, generator, save_mask, feature=True, alpha=alpha, owner=owner
+    )
+    if not batched:
+        out = out.squeeze_(0) if inplace else out.squeeze(0)
+    return out
+
+
+# The implementations below take a validated ``p`` and the tape owner (the
+# layer, or the public function); the layers in ``_layers.py`` call them.
+Impl = Callable[[Tensor, float, bool, bool, "torch.Generator | None", bool, object], Tensor]
+
+
+def _impl_dropout(
+    input: Tensor,  # noqa: A002
+    p: float,
+    training: bool,
+    inplace: bool,
+    generator: torch.Generator | None,
+    save_mask: bool,
+    owner: object,
+) -> Tensor:
+    return _dropout(
+        input, p, training, inplace, generator, save_mask, feature=False, alpha=False, owner=owner
+    )
+
+
+def _impl_dropout1d(
+    input: Tensor,  # noqa: A002
+    p: float,
+    training: bool,
+    inplace: bool,
+    generator: torch.Generator | None,
+    save_mask: bool,
+    owner: object,
+) -> Tensor:
+    if input.dim() not in (2, 3):
+        raise RuntimeError(
+            f"scopedckpt: dropout1d expected 2D (C, L) or 3D (N, C, L) input, but got a "
+            f"{input.dim()}D input. Use dropout for element-wise dropout."
+        )
+    return _feature(
+        input, p, training, inplace, generator, save_mask, owner,
+        batched=input.dim() == 3, alpha=False,
+    )
+
+
+def _impl_dropout2d(
+    input: Tensor,  # noqa: A002
+    p: float,
+    training: bool,
+    inplace: bool,
+    generator: torch.Generator | None,
+    save_mask: bool,
+    owner: object,
+) -> Tensor:
+    _warn_feature_dims(input, "dropout2d", (3, 4))
+    if input.dim() == 3:
+        warnings.warn(
+            "dropout2d: Received a 3D input to dropout2d and assuming that channel-wise "
+            "1D dropout behavior is desired - input is interpreted as shape (N, C, L), where C "
+            "is the channel dim. This behavior will change in a future release to interpret the "
+            "input as one without a batch dimension, i.e. shape (C, H, W). To maintain the 1D "
+            "channel-wise dropout behavior, please switch to using dropout1d instead.",
+            stacklevel=3,
+        )
+    return _feature(
+        input, p, training, inplace, generator, save_mask, owner, batched=True, alpha=False
+    )
+
+
+def _impl_dropout3d(
+    input: Tensor,  # noqa: A002
+    p: float,
+    training: bool,
+    inplace: bool,
+    generator: torch.Generator | None,
+    save_mask: bool,
+    owner: object,
+) -> Tensor:
+    _warn_feature_dims(input, "dropout3d", (4, 5))
+    return _feature(
+        input, p, training, inplace, generator, save_mask, owner,
+        batched=input.dim() == 5, alpha=False,
+    )
+
+
+def _impl_alpha_dropout(
+    input: Tensor,  # noqa: A002
+    p: float,
+    training: bool,
+    inplace: bool,
+    generator: torch.Generator | None,
+    save_mask: bool,
+    owner: object,
+) -> Tensor:
+    return _dropout(
+        input, p, training, inplace, generator, save_mask, feature=False, alpha=True, owner=owner
+    )
+
+
+def _impl_feature_alpha_dropout(
+    input: Tensor,  # noqa: A002
+    p: float,
+    training: bool,
+    inplace: bool,
+    generator: torch.Generator | None,
+    save_mask: bool,
+    owner: object,
+) -> Tensor:
+    return _dropout(
+        input, p, training, inplace, generator, save_mask, feature=True, alpha=True, owner=owner
+    )
+
+
+def dropout(
+    input: Tensor,  # noqa: A002
+    p: float = 0.5,
+    training: bool = True,
+    inplace: bool = False,
+    *,
+    generator: torch.Generator | None = None,
+    save_mask: bool = True,
+) -> Tensor:
+    """Zero each element with probability ``p`` and scale the rest by ``1/(1-p)``.
+
+    The scoped counterpart of :func:`torch.nn.functional.dropout`: inside a
+    checkpoint region the recompute replays this call's mask exactly.
+
+    Parameters
+    ----------
+    input
+        Any tensor.
+    p
+        Probability of zeroing an element, in ``[0, 1]``.
+    training
+        Apply dropout only if ``True``; otherwise return ``input``.
+    inplace
+        Write the result into ``input``.
+    generator
+        Draw this call's seed from it instead of the default CPU generator.
+    save_mask
+        Keep a one-byte-per-element mask for backward (default) or only the
+        seed, rebuilding the mask in backward.
+
+    Returns
+    -------
+    Tensor
+        The result, same shape and dtype as ``input``.
+
+    Raises
+    ------
+    ValueError
+        If ``p`` is outside ``[0, 1]``.
+
+    Example
+    -------
+    >>> import torch
+    >>> from scopedckpt import functional as SF
+    >>> _ = torch.manual_seed(0)
+    >>> y = SF.dropout(torch.ones(8), p=0.5)
+    >>> sorted(set(y.tolist()))
+    [0.0, 2.0]
+    """
+    p = _check_p(p, "dropout")
+    return _impl_dropout(input, p, training, inplace, generator, save_mask, dropout)
+
+
+def dropout1d(
+    input: Tensor,  # noqa: A002
+    p: float = 0.5,
+    training: bool = True,
+    inplace: bool = False,
+    *,
+    generator: torch.Generator | None = None,
+    save_mask: bool = True,
+) -> Tensor:
+    """Zero whole channels of ``(N, C, L)`` or ``(C, L)`` input; see :func:`dropout`.
+
+    Example
+    -------
+    >>> import torch
+    >>> from scopedckpt import functional as SF
+    >>> SF.dropout1d(torch.ones(2, 3, 4), p=0.5).shape
+    torch.Size([2, 3, 4])
+    """
+    p = _check_p(p, "dropout1d")
+    return _impl_dropout1d(input, p, training, inplace, generator, save_mask, dropout1d)
+
+
+def dropout2d(
+    input: Tensor,  # noqa: A002
+    p: float = 0.5,
+    training: bool = True,
+    inplace: bool = False,
+    *,
+    generator: torch.Generator | None = None,
+    save_mask: bool = True,
+) -> Tensor:
+    """Zero whole channels of ``(N, C, H, W)`` input; see :func:`dropout`.
+
+    Like :func:`torch.nn.functional.dropout2d`, 3D input is taken as
+    ``(N, C, L)`` with a warning.
+
+    Example
+    -------
+    >>> import torch
+    >>> from scopedckpt import functional as SF
+    >>> SF.dropout2d(torch.ones(2, 3, 4, 4), p=0.5).shape
+    torch.Size([2, 3, 4, 4])
+    """
+    p = _check_p(p, "dropout2d")
+    return _impl_dropout2d(input, p, training, inplace, generator, save_mask, dropout2d)
+
+
+def dropout3d(
+    input: Tensor,  # noqa: A002
+    p: float = 0.5,
+    training: bool = True,
+    inplace: bool = False,
+    *,
+    generator: torch.Generator | None = None,
+    save_mask: bool = True,
+) -> Tensor:
+    """Zero whole channels of ``(N, C, D, H, W)`` or ``(C, D, H, W)`` input; see :func:`dropout`.
+
+    Example
+    -------
+    >>> import torch
+    >>> from scopedckpt import functional as SF
+    >>> SF.dropout3d(torch.ones(2, 3, 2, 2, 2), p=0.5).shape
+    torch.Size([2, 3, 2, 2, 2])
+    """
+    p = _check_p(p, "dropout3d")
+    return _impl_dropout3d(input, p, training, inplace, generator, save_mask, dropout3d)
+
+
+def alpha_dropout(
+    input: Tensor,  # noqa: A002
+    p: float = 0.5,
+    training: bool = False,
+    inplace: bool = False,
+    *,
+    generator: torch.Generator | None = None,
+    save_mask: bool = True,
+) -> Tensor:
+    """Alpha dropout, which keeps SELU's zero mean and unit variance; see :func:`dropout`.
+
+    Example
+    -------
+    >>> import torch
+    >>> from scopedckpt import functional as SF
+    >>> SF.alpha_dropout(torch.ones(4), p=0.5, training=True).shape
+    torch.Size([4])
+    """
+    p = _check_p(p, "alpha_dropout")
+    return _impl_alpha_dropout(input, p, training, inplace, generator, save_mask, alpha_dropout)
+
+
+def feature_alpha_dropout(
+    input: Tensor,  # noqa: A002
+    p: float = 0.5,
+    training: bool = False,
+    inplace: bool = False,
+    *,
+    generator: torch.Generator | None = None,
+    save_mask: bool = True,
+) -> Tensor:
+    """Alpha dropout of whole channels; see :func:`alpha_dropout`.
+
+    Example
+    -------
+    >>> import torch
+    >>> from scopedckpt import functional as SF
+    >>> SF.feature_alpha_dropout(torch.ones(2, 3, 4), p=0.5, training=True).shape
+    torch.Size([2, 3, 4])
+    """
+    p = _check_p(p, "feature_alpha_dropout")
+    return _impl_feature_alpha_dropout(input, p, training, inplace, generator, save_mask, feature_alpha_dropout)
+
+
+def _warn_feature_dims(input: Tensor, name: str, dims: tuple[int, int]) -> None:  # noqa: A002
+    if input.dim() not in dims:
+        warnings.warn(
+            f"{name}: Received a {input.dim()}-D input to {name}, which is deprecated "
+            f"and will result in an error in a future release. To retain the behavior "
+            f"and silence this warning, please use dropout instead. Note that {name} "
+            f"exists to provide channel-wise dropout on inputs with {dims[0] - 1} spatial "
+            f"dimensions, a channel dimension, and an optional batch dimension "
+            f"(i.e. {dims[0]}D or {dims[1]}D inputs).",
+            stacklevel=3,
+        )

@@ -1,0 +1,42 @@
+"""Hypothesis profiles: ``ci`` (default, quick) and ``thorough`` (by hand).
+
+Select with ``HYPOTHESIS_PROFILE=thorough python -m pytest``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "thorough",
+    max_examples=2000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Small tensors: threads only add scheduling noise, never speed, here.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _no_scope_leaks():
+    """Every test must leave no scope, frame or target patch behind."""
+    from scopedckpt import _targets
+    from scopedckpt._state import FRAME, SCOPE
+
+    yield
+    assert SCOPE.get() is None, "a checkpointing scope leaked out of the test"
+    assert FRAME.get() is None, "a region frame leaked out of the test"
+    assert not _targets._PATCHES, "a module forward patch leaked out of the test"

@@ -1,0 +1,150 @@
+"""Hypothesis strategies shared by the test suite: random models and regions.
+
+A random model is a pool of shape-preserving layers (width ``c`` channels)
+plus a *program*: a tree whose leaves are layer indices (a layer may appear
+several times, in one region or in several) and whose inner nodes are
+regions, possibly nested. :class:`ProgramModel` runs the program, calling
+``scopedckpt.checkpoint`` for each region node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import scopedckpt
+
+RANKS = (2, 3, 4, 5)  # input (N, C), (N, C, L), (N, C, H, W), (N, C, D, H, W)
+
+probabilities = st.one_of(
+    st.sampled_from([0.0, 1.0, 0.5]), st.floats(0.0, 1.0, allow_nan=False, exclude_max=False)
+)
+momenta = st.one_of(st.none(), st.just(0.1), st.floats(0.01, 1.0))
+
+
+@dataclass(frozen=True)
+class Region:
+    """A region node of a program; ``early_stop`` is passed to ``checkpoint``."""
+
+    body: tuple[Program, ...]
+    early_stop: bool
+
+
+Program = Union[int, Region]
+
+
+@st.composite
+def layers(draw: st.DrawFn, rank: int, c: int) -> nn.Module:
+    """One shape-preserving layer for input of ``rank`` with ``c`` channels."""
+    batch_norm = {2: scopedckpt.BatchNorm1d, 3: scopedckpt.BatchNorm1d,
+                  4: scopedckpt.BatchNorm2d, 5: scopedckpt.BatchNorm3d}[rank]
+    channel_dropout = {3: scopedckpt.Dropout1d, 4: scopedckpt.Dropout2d, 5: scopedckpt.Dropout3d}
+    conv = {3: nn.Conv1d, 4: nn.Conv2d, 5: nn.Conv3d}
+    # Stateful layers are what can go wrong: draw them most often.
+    kinds = ["batch_norm", "dropout", "batch_norm", "weights", "dropout", "activation"]
+    kinds += ["alpha_dropout"] + (["channel_dropout", "feature_alpha_dropout"] if rank > 2 else [])
+    kind = draw(st.sampled_from(kinds))
+    if kind == "weights":
+        return nn.Linear(c, c) if rank == 2 else conv[rank](c, c, 3, padding=1)
+    if kind == "activation":
+        return draw(st.sampled_from([nn.ReLU, nn.Tanh, nn.SELU, nn.GELU]))()
+    if kind == "dropout":
+        return scopedckpt.Dropout(draw(probabilities), save_mask=draw(st.booleans()))
+    if kind == "alpha_dropout":
+        return scopedckpt.AlphaDropout(draw(probabilities))
+    if kind == "channel_dropout":
+        return channel_dropout[rank](draw(probabilities))
+    if kind == "feature_alpha_dropout":
+        return scopedckpt.FeatureAlphaDropout(draw(probabilities))
+    return batch_norm(
+        c,
+        momentum=draw(momenta),
+        affine=draw(st.booleans()),
+        track_running_stats=draw(st.booleans()),
+    )
+
+
+@st.composite
+def programs(draw: st.DrawFn, n_layers: int, depth: int = 0) -> tuple[Program, ...]:
+    """A sequence of layer calls and (nested) regions over ``n_layers`` layers."""
+    size = draw(st.integers(1, 4 if depth else 6))
+    items: list[Program] = []
+    for _ in range(size):
+        if depth < 3 and draw(st.integers(0, 2)) == 0:
+            body = draw(programs(n_layers, depth + 1))
+            items.append(Region(body, draw(st.booleans())))
+        else:
+            items.append(draw(st.integers(0, n_layers - 1)))
+    return tuple(items)
+
+
+class ProgramModel(nn.Module):
+    """Runs ``program`` over ``pool``, making each Region a checkpoint region."""
+
+    def __init__(self, pool: list[nn.Module], program: tuple[Program, ...]) -> None:
+        super().__init__()
+        self.pool = nn.ModuleList(pool)
+        self.program = program
+
+    def _run(self, items: tuple[Program, ...], x: Tensor) -> Tensor:
+        for item in items:
+            if isinstance(item, Region):
+                x = scopedckpt.checkpoint(
+                    self._run, item.body, x, early_stop=item.early_stop
+                )
+            else:
+                x = self.pool[item](x)
+        return x
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._run(self.program, x)
+
+
+@dataclass
+class Case:
+    """A random model, its input and how to train it."""
+
+    model: ProgramModel
+    x: Tensor
+    seed: int
+    steps: int
+
+    def __repr__(self) -> str:  # Hypothesis prints this when an example fails
+        return (
+            f"Case(program={self.model.program}, x.shape={tuple(self.x.shape)}, "
+            f"seed={self.seed}, steps={self.steps}, training={self.model.training},\n"
+            f"pool={self.model.pool})"
+        )
+
+
+@st.composite
+def cases(draw: st.DrawFn, max_steps: int = 3) -> Case:
+    """A random model with random regions, input, seed and training mode."""
+    rank = draw(st.sampled_from(RANKS))
+    c = draw(st.integers(1, 4))
+    pool = draw(st.lists(layers(rank, c), min_size=2, max_size=6))
+    program = draw(programs(len(pool)))
+    if not any(isinstance(item, Region) for item in program):
+        program = (Region(program, draw(st.booleans())),)
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    model = ProgramModel(pool, program)
+    model.train(draw(st.booleans()) or draw(st.booleans()))  # 3/4 training
+    spatial = {2: (), 3: (3,), 4: (2, 3), 5: (2, 2, 2)}[rank]
+    batch = draw(st.integers(2, 5))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    x = torch.randn((batch, c, *spatial), generator=generator)
+    seed = draw(st.integers(0, 2**32 - 1))
+    return Case(model, x, seed, draw(st.integers(1, max_steps)))
+
+
+def count_scoped(model: nn.Module) -> dict[str, Any]:
+    """How many scoped layers of each kind a model has (for test statistics)."""
+    counts: dict[str, Any] = {}
+    for m in model.modules():
+        if isinstance(m, (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)):
+            counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+    return counts

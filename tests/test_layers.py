@@ -1,0 +1,221 @@
+"""Scoped layers: drop-in for torch's, with per-call seeds and no double updates."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import scopedckpt
+from scopedckpt import functional as SF
+
+DROPOUTS = [
+    (scopedckpt.Dropout, nn.Dropout, (64, 32)),
+    (scopedckpt.Dropout1d, nn.Dropout1d, (64, 32, 4)),
+    (scopedckpt.Dropout2d, nn.Dropout2d, (64, 32, 2, 2)),
+    (scopedckpt.Dropout3d, nn.Dropout3d, (64, 32, 2, 2, 1)),
+    (scopedckpt.AlphaDropout, nn.AlphaDropout, (64, 32)),
+    (scopedckpt.FeatureAlphaDropout, nn.FeatureAlphaDropout, (64, 32, 4)),
+]
+BATCH_NORMS = [
+    (scopedckpt.BatchNorm1d, nn.BatchNorm1d, (8, 3)),
+    (scopedckpt.BatchNorm2d, nn.BatchNorm2d, (8, 3, 2, 2)),
+    (scopedckpt.BatchNorm3d, nn.BatchNorm3d, (8, 3, 2, 2, 2)),
+]
+
+
+@pytest.mark.parametrize(("scoped", "torch_cls", "shape"), DROPOUTS)
+def test_dropout_is_a_drop_in(scoped: type, torch_cls: type, shape: tuple[int, ...]) -> None:
+    layer, reference = scoped(0.25, inplace=True), torch_cls(0.25, inplace=True)
+    assert isinstance(layer, torch_cls)
+    assert repr(layer) == repr(reference).replace(torch_cls.__name__, scoped.__name__)
+    assert layer.state_dict().keys() == reference.state_dict().keys()
+    x = torch.randn(shape)
+    layer.eval()
+    assert layer(x) is x
+
+
+@pytest.mark.parametrize(("scoped", "torch_cls", "shape"), DROPOUTS)
+def test_dropout_statistics_match_torch(scoped: type, torch_cls: type, shape: tuple[int, ...]) -> None:
+    """Not the same bits as torch (another RNG path) but the same distribution."""
+    torch.manual_seed(0)
+    if "Alpha" in scoped.__name__:
+        x = torch.randn(shape)
+        ours, theirs = scoped(0.3).train()(x), torch_cls(0.3).train()(x)
+        for stat in (torch.mean, torch.std):
+            assert abs(float(stat(ours)) - float(stat(theirs))) < 0.1
+        return
+    x = torch.rand(shape) + 1  # no zeros in the input
+    ours, theirs = scoped(0.3)(x), torch_cls(0.3)(x)
+    kept = ours != 0
+    assert torch.allclose(ours[kept], x[kept] / 0.7)
+    assert abs(float((ours == 0).float().mean()) - float((theirs == 0).float().mean())) < 0.1
+
+
+def test_feature_dropout_drops_whole_channels() -> None:
+    out = scopedckpt.Dropout2d(0.5)(torch.ones(16, 8, 3, 3))
+    per_channel = out.flatten(2)
+    assert torch.equal(per_channel.amin(2), per_channel.amax(2))
+
+
+def test_p_one_and_p_zero() -> None:
+    x = torch.randn(4, 4)
+    assert torch.equal(scopedckpt.Dropout(1.0)(x), torch.zeros(4, 4))
+    assert scopedckpt.Dropout(0.0)(x) is x
+
+
+def test_same_seed_same_mask_and_generator_reproduces() -> None:
+    x = torch.randn(32, 32)
+    torch.manual_seed(7)
+    a = scopedckpt.Dropout(0.5)(x)
+    torch.manual_seed(7)
+    b = scopedckpt.Dropout(0.5)(x)
+    assert torch.equal(a, b)
+    c = scopedckpt.Dropout(0.5, generator=torch.Generator().manual_seed(1))(x)
+    d = scopedckpt.Dropout(0.5, generator=torch.Generator().manual_seed(1))(x)
+    assert torch.equal(c, d) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("alpha", [False, True])
+def test_save_mask_false_gives_the_same_bits(dtype: torch.dtype, alpha: bool) -> None:
+    cls = scopedckpt.AlphaDropout if alpha else scopedckpt.Dropout
+    results = []
+    for save in (True, False):
+        torch.manual_seed(0)
+        x = torch.randn(16, 16, dtype=dtype, requires_grad=True)
+        out = cls(0.3, save_mask=save)(x)
+        (out.float() * torch.arange(16.0)).sum().backward()
+        results.append((out, x.grad))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_inplace_dropout_writes_into_its_input() -> None:
+    x = torch.randn(8, 8)
+    y = x.clone()
+    torch.manual_seed(0)
+    out = scopedckpt.Dropout(0.5, inplace=True)(y)
+    torch.manual_seed(0)
+    expected = scopedckpt.Dropout(0.5)(x)
+    assert out is y and torch.equal(y, expected)
+
+
+def test_inplace_dropout_in_a_region_is_exact() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), scopedckpt.Dropout(0.5, inplace=True), nn.Linear(6, 2))
+    from scopedckpt.testing import assert_checkpoint_equivalent
+
+    assert_checkpoint_equivalent(model, torch.randn(4, 6), targets=[model], steps=2)
+
+
+def test_empty_batch_passes_through() -> None:
+    x = torch.empty(0, 4)
+    assert scopedckpt.Dropout(0.5)(x).shape == (0, 4)
+    with scopedckpt.checkpointing():
+        out = scopedckpt.checkpoint(scopedckpt.Dropout(0.5), x.requires_grad_())
+    out.sum().backward()
+
+
+@pytest.mark.parametrize(("scoped", "torch_cls", "shape"), BATCH_NORMS)
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batch_norm_is_torch_outside_recomputes(
+    scoped: type, torch_cls: type, shape: tuple[int, ...], momentum: float | None
+) -> None:
+    torch.manual_seed(0)
+    ours = scoped(3, momentum=momentum)
+    theirs = torch_cls(3, momentum=momentum)
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    assert isinstance(ours, torch_cls)
+    assert repr(ours) == repr(theirs).replace(torch_cls.__name__, scoped.__name__)
+    x = torch.randn(shape)
+    for _ in range(2):
+        assert torch.equal(ours(x), theirs(x))
+    for a, b in zip(ours.state_dict().values(), theirs.state_dict().values()):
+        assert torch.equal(a, b)
+    ours.eval()
+    theirs.eval()
+    assert torch.equal(ours(x), theirs(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_regions_are_exact(dtype: torch.dtype) -> None:
+    from scopedckpt.testing import assert_checkpoint_equivalent
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 8), scopedckpt.Dropout(0.3), scopedckpt.AlphaDropout(0.2)
+    ).to(dtype)
+    assert_checkpoint_equivalent(model, torch.randn(4, 8, dtype=dtype), targets=[model])
+    bn = nn.Sequential(nn.Conv2d(3, 3, 1), scopedckpt.BatchNorm2d(3), scopedckpt.Dropout2d(0.5)).to(dtype)
+    assert_checkpoint_equivalent(bn, torch.randn(4, 3, 2, 2).to(dtype), targets=[bn], loss_fn=None)
+
+
+def test_batch_norm_with_batch_size_one_raises_torchs_error() -> None:
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        scopedckpt.BatchNorm1d(3)(torch.randn(1, 3))
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.5, float("nan")])
+def test_invalid_p_is_rejected(p: float) -> None:
+    message = f"scopedckpt: Dropout expected p between 0 and 1 (the probability of zeroing an element), got p={p}. Pass e.g. p=0.1."
+    with pytest.raises(ValueError, match=re.escape(message)):
+        scopedckpt.Dropout(p)
+    with pytest.raises(ValueError, match=re.escape(message.replace("Dropout", "dropout", 1))):
+        SF.dropout(torch.ones(2), p)
+
+
+def test_non_number_p_and_bad_generator_are_rejected() -> None:
+    with pytest.raises(TypeError, match=re.escape("scopedckpt: Dropout2d expected p to be a float probability, got str.")):
+        scopedckpt.Dropout2d("0.5")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=re.escape("scopedckpt: Dropout(generator=...) must be a torch.Generator or None, got int.")):
+        scopedckpt.Dropout(0.5, generator=3)  # type: ignore[arg-type]
+
+
+def test_channel_dropout_shape_errors_and_warnings() -> None:
+    with pytest.raises(RuntimeError, match=re.escape("scopedckpt: dropout1d expected 2D (C, L) or 3D (N, C, L) input, but got a 4D input.")):
+        scopedckpt.Dropout1d(0.5)(torch.ones(2, 2, 2, 2))
+    with pytest.raises(RuntimeError, match="channel-wise dropout needs input with at least 2 dimensions"):
+        SF.feature_alpha_dropout(torch.ones(3), 0.5, training=True)
+    with pytest.warns(UserWarning, match="assuming that channel-wise 1D dropout"):
+        scopedckpt.Dropout2d(0.5)(torch.ones(2, 2, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert scopedckpt.Dropout1d(0.5)(torch.ones(2, 3)).shape == (2, 3)  # unbatched
+        assert scopedckpt.Dropout3d(0.5)(torch.ones(2, 2, 2, 2)).shape == (2, 2, 2, 2)
+
+
+@pytest.mark.parametrize(("scoped", "torch_cls", "shape"), DROPOUTS[:1] + BATCH_NORMS[:1])
+def test_pickle_deepcopy_and_save_load_into_torch(scoped: type, torch_cls: type, shape: tuple) -> None:
+    layer = scoped(3) if "Batch" in scoped.__name__ else scoped(0.3, generator=torch.Generator().manual_seed(1))
+    for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert type(clone) is scoped and repr(clone) == repr(layer)
+    buffer = io.BytesIO()
+    torch.save(layer.state_dict(), buffer)
+    buffer.seek(0)
+    plain = torch_cls(3) if "Batch" in scoped.__name__ else torch_cls(0.3)
+    plain.load_state_dict(torch.load(buffer), strict=True)
+
+
+def test_functional_dropout_replays_in_regions() -> None:
+    lin = nn.Linear(6, 6)
+    x = torch.randn(4, 6)
+
+    def body(t: torch.Tensor) -> torch.Tensor:
+        return SF.dropout(lin(t), 0.5) + SF.alpha_dropout(t, 0.2, training=True)
+
+    def run(checkpointed: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        lin.weight.grad = None
+        xi = x.clone().requires_grad_()
+        with scopedckpt.checkpointing(enabled=checkpointed):
+            scopedckpt.checkpoint(body, xi).square().sum().backward()
+        return torch.cat([xi.grad.flatten(), lin.weight.grad.flatten()])
+
+    assert torch.equal(run(True), run(False))
