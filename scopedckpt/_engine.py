@@ -8,6 +8,7 @@ recompute context replays it (see NOTE [ tape ] in ``_state.py``).
 from __future__ import annotations
 
 import contextvars
+import weakref
 from types import TracebackType
 from typing import Any, Callable, TypeVar
 
@@ -106,6 +107,10 @@ def _region(
             parent.tape.records.append(Record(_REGION, owner_id, name, tape))
         forward = _EnterFrame(Phase.FORWARD, tape, scope, owner)
     recompute = _EnterFrame(Phase.RECOMPUTE, tape, scope, owner)
+    for patches in scope.patches:
+        # Keep module targets patched until torch frees this region: its
+        # recompute must find nested targets patched (see _targets.Patches).
+        weakref.finalize(recompute, patches.share().remove)
     COUNTERS.regions += 1
     return torch_checkpoint.checkpoint(  # type: ignore[no-any-return]
         fn,

@@ -140,8 +140,12 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
             keep = parent.keep + modules
         else:
             modules_ids = frozenset(id(m) for m in modules)
-        scope = Scope(self._enabled, strict, frozenset(modules_ids), classes, keep)
         patches = _targets.install(modules, self._classes)
+        inherited = parent.patches if parent is not None else ()
+        scope = Scope(
+            self._enabled, strict, frozenset(modules_ids), classes, keep,
+            inherited + ((patches,) if patches.holders else ()),
+        )
         self._entries.append((SCOPE.set(scope), patches))
         return self
 

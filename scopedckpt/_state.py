@@ -76,6 +76,7 @@ class Scope:
     modules: frozenset[int] = frozenset()  # ids of selected module instances
     classes: tuple[type, ...] = ()  # every instance of these is selected
     keep: tuple[Any, ...] = ()  # strong refs so the ids above stay valid
+    patches: tuple[Any, ...] = ()  # _targets.Patches of this scope and its parents
 
     def selects(self, module: object) -> bool:
         """Whether ``module``'s forward is a region in this scope."""

@@ -25,7 +25,9 @@ from ._state import SCOPE
 
 __all__ = ["Patches", "install"]
 
-_LOCK = threading.Lock()
+# Re-entrant: a region's finalizer may release patches during a garbage
+# collection that starts while this thread holds the lock.
+_LOCK = threading.RLock()
 _MISSING = object()
 
 
@@ -85,9 +87,24 @@ def _classes_to_patch(cls: type) -> Iterator[type]:
 
 @dataclass
 class Patches:
-    """The patches one scope entry holds; ``remove()`` releases them once."""
+    """One hold on some patches; ``remove()`` releases it once.
+
+    A scope entry holds its patches while the block runs; each region started
+    in it takes a further hold (:meth:`share`) released when torch frees the
+    region, because the backward recompute, usually after the block exited,
+    must find nested targets still patched to make them regions again. After
+    the block the patches are inert: calls in contexts without the scope are
+    plain calls.
+    """
 
     holders: list[Any] = field(default_factory=list)
+
+    def share(self) -> Patches:
+        """A further hold on the same patches."""
+        with _LOCK:
+            for holder in self.holders:
+                _PATCHES[id(holder)].count += 1
+            return Patches(list(self.holders))
 
     def remove(self) -> None:
         with _LOCK:

@@ -5,6 +5,7 @@ Select with ``HYPOTHESIS_PROFILE=thorough python -m pytest``.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -37,6 +38,7 @@ def _no_scope_leaks():
     from scopedckpt._state import FRAME, SCOPE
 
     yield
+    gc.collect()  # regions hold target patches until torch frees them
     assert SCOPE.get() is None, "a checkpointing scope leaked out of the test"
     assert FRAME.get() is None, "a region frame leaked out of the test"
     assert not _targets._PATCHES, "a module forward patch leaked out of the test"

@@ -1,0 +1,74 @@
+"""scopedckpt.testing: the helpers users run in their own CI."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import scopedckpt
+from scopedckpt.testing import assert_checkpoint_equivalent, default_loss
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
+
+
+def test_the_documented_example_runs_as_written() -> None:
+    code = re.search(r"```python\n(.+?)```", DOCS.read_text(), flags=re.S)
+    assert code is not None
+    namespace: dict[str, object] = {"__name__": "docs_example"}
+    exec(compile(code.group(1), str(DOCS), "exec"), namespace)
+    namespace["test_checkpointing_is_exact"]()  # type: ignore[operator]
+    namespace["test_no_unscoped_randomness"]()  # type: ignore[operator]
+
+
+class ForgetfulBatchNorm(nn.BatchNorm1d):
+    """A user layer that is not scoped: it updates its stats in the recompute too."""
+
+
+def test_mismatch_names_the_first_differing_tensor() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), ForgetfulBatchNorm(4))
+    with pytest.raises(AssertionError, match=re.escape(
+        "scopedckpt: step 0: buffer '1.running_mean' differs between the checkpointed and the "
+        "plain run: max abs diff"
+    )):
+        assert_checkpoint_equivalent(model, torch.randn(5, 4))
+
+
+def test_unscoped_dropout_is_caught() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    with pytest.raises(AssertionError, match="differs between the checkpointed and the plain run"):
+        assert_checkpoint_equivalent(model, torch.randn(5, 4), targets=[model])
+
+
+def test_a_run_without_regions_fails() -> None:
+    model = nn.Linear(4, 4)
+    with pytest.raises(AssertionError, match="made no checkpoint region"):
+        assert_checkpoint_equivalent(model, torch.randn(2, 4), targets=())
+
+
+def test_model_and_callers_rng_are_left_alone() -> None:
+    model = scopedckpt.convert(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5)))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(5, 4)
+    rng = torch.get_rng_state()
+    assert_checkpoint_equivalent(model, x, steps=2, backward="retain_graph")
+    assert torch.equal(torch.get_rng_state(), rng)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k])
+
+
+def test_bad_arguments_are_rejected() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=re.escape("scopedckpt: steps must be a positive int, got 0.")):
+        assert_checkpoint_equivalent(model, torch.ones(2, 2), steps=0)
+    with pytest.raises(ValueError, match=re.escape("scopedckpt: backward must be one of")):
+        assert_checkpoint_equivalent(model, torch.ones(2, 2), backward="twice")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="target Linear is not a submodule of the model"):
+        assert_checkpoint_equivalent(model, torch.ones(2, 2), targets=[nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="default_loss found no floating-point tensor"):
+        default_loss(torch.ones(2, dtype=torch.long))
