@@ -77,6 +77,13 @@ class _EnterFrame:
             strict_mode.__exit__(exc_type, exc, tb)
 
 
+# NOTE [ torch.compile ]
+# Regions, target dispatch and scoped layers run eagerly under torch.compile
+# (a graph break each): their decisions read context variables and their
+# masks come from per-call generators, which dynamo would otherwise guard on
+# and recompile for at every call. Region entry is skipped non-recursively, so
+# the code inside a region, and between scoped layers, is compiled as usual.
+@torch.compiler.disable(recursive=False)
 def _region(
     fn: Callable[..., R],
     owner: object | None,

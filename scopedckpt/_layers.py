@@ -168,6 +168,7 @@ class FeatureAlphaDropout(_ScopedDropout, nn.FeatureAlphaDropout):
 class _ScopedBatchNorm(nn.modules.batchnorm._BatchNorm):
     """Shared forward of the scoped batch-norm layers."""
 
+    @torch.compiler.disable  # see NOTE [ torch.compile ] in _engine.py
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002
         training, phase = tape_value("batch_norm", self, lambda: self.training)
         if phase is not Phase.RECOMPUTE:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from ._engine import _region, current_region_owner
@@ -41,6 +42,7 @@ class _Patch:
 _PATCHES: dict[int, _Patch] = {}
 
 
+@torch.compiler.disable(recursive=False)  # see NOTE [ torch.compile ] in _engine.py
 def _regioned(
     forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -53,8 +55,11 @@ def _regioned(
 
 
 def _instance_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
+    # The class's function, bound here: looking ``forward`` up at call time can
+    # find this very wrapper under torch.compile and recurse.
+    inner = previous if previous is not _MISSING else functools.partial(type(module).forward, module)
+
     def forward(*args: Any, **kwargs: Any) -> Any:
-        inner = previous if previous is not _MISSING else type(module).forward.__get__(module)
         return _regioned(inner, module, args, kwargs)
 
     forward.__scopedckpt_patch__ = True  # type: ignore[attr-defined]

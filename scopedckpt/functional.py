@@ -115,6 +115,7 @@ def _draw_seed(generator: torch.Generator | None) -> int:
         return int(torch.randint(0, _SEED_HIGH, (), generator=generator, device=device))
 
 
+@torch.compiler.disable  # see NOTE [ torch.compile ] in _engine.py
 def _dropout(
     input: Tensor,  # noqa: A002
     p: float,
