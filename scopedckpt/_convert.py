@@ -126,7 +126,9 @@ def _convert(module: nn.Module, name: str, skipped: list[str], attention: list[s
     elif isinstance(module, nn.MultiheadAttention) and module.dropout > 0:
         attention.append(f"{label} (dropout={module.dropout})")
     for child_name, child in list(result.named_children()):
-        new_child = _convert(child, f"{name}.{child_name}" if name else child_name, skipped, attention)
+        new_child = _convert(
+            child, f"{name}.{child_name}" if name else child_name, skipped, attention
+        )
         if new_child is not child:
             setattr(result, child_name, new_child)
     return result

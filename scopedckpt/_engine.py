@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import contextvars
 import weakref
+from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from . import _torch_private
-from ._state import FRAME, SCOPE, Frame, Phase, Record, Scope, Tape, describe
+from ._state import FRAME, SCOPE, Frame, Phase, Record, Scope, Tape
 
 __all__ = ["checkpoint"]
 
@@ -99,19 +100,19 @@ def _region(
     if scope is None or not scope.enabled or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     parent = FRAME.get()
-    name = describe(owner if owner is not None else fn)
+    label = owner if owner is not None else fn
     # A function is no identity: lambdas and bound methods are new objects at
     # every call, so only module-owned regions check their owner on replay.
     owner_id = None if owner is None else id(owner)
     if parent is not None and parent.phase is Phase.RECOMPUTE:
         # The parent is being recomputed: this nested region already ran once
         # and its tape is the next record of the parent (NOTE [ tape ]).
-        tape = parent.take(_REGION, owner_id, name).value
+        tape = parent.take(_REGION, owner_id, label).value
         forward = _EnterFrame(Phase.RECOMPUTE, tape, scope, owner)
     else:
         tape = Tape()
         if parent is not None:
-            parent.tape.records.append(Record(_REGION, owner_id, name, tape))
+            parent.tape.records.append(Record(_REGION, owner_id, label, tape))
         forward = _EnterFrame(Phase.FORWARD, tape, scope, owner)
     recompute = _EnterFrame(Phase.RECOMPUTE, tape, scope, owner)
     for patches in scope.patches:
@@ -119,7 +120,7 @@ def _region(
         # recompute must find nested targets patched (see _targets.Patches).
         weakref.finalize(recompute, patches.share().remove)
     COUNTERS.regions += 1
-    return torch_checkpoint.checkpoint(  # type: ignore[no-any-return]
+    return torch_checkpoint.checkpoint(
         fn,
         *args,
         use_reentrant=False,

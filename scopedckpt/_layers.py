@@ -58,7 +58,7 @@ class _ScopedDropout(nn.modules.dropout._DropoutNd):
         self.generator = generator
         self.save_mask = bool(save_mask)
 
-    def forward(self, input: Tensor) -> Tensor:  # noqa: A002
+    def forward(self, input: Tensor) -> Tensor:
         return type(self)._impl(
             input,
             self.p,
@@ -117,40 +117,60 @@ def _dropout_doc(name: str, summary: str, unit: str, example: str, shape: str, a
 
 class Dropout(_ScopedDropout, nn.Dropout):
     __doc__ = _dropout_doc(
-        "Dropout", "Zero elements with probability ``p``, scaling the rest by ``1/(1-p)``.",
-        "an element", "torch.ones(2, 3)", "torch.Size([2, 3])", alpha=False,
+        "Dropout",
+        "Zero elements with probability ``p``, scaling the rest by ``1/(1-p)``.",
+        "an element",
+        "torch.ones(2, 3)",
+        "torch.Size([2, 3])",
+        alpha=False,
     )
     _impl = staticmethod(SF._impl_dropout)
 
 
 class Dropout1d(_ScopedDropout, nn.Dropout1d):
     __doc__ = _dropout_doc(
-        "Dropout1d", "Zero whole channels of ``(N, C, L)`` or ``(C, L)`` input.",
-        "a channel", "torch.ones(2, 3, 4)", "torch.Size([2, 3, 4])", alpha=False,
+        "Dropout1d",
+        "Zero whole channels of ``(N, C, L)`` or ``(C, L)`` input.",
+        "a channel",
+        "torch.ones(2, 3, 4)",
+        "torch.Size([2, 3, 4])",
+        alpha=False,
     )
     _impl = staticmethod(SF._impl_dropout1d)
 
 
 class Dropout2d(_ScopedDropout, nn.Dropout2d):
     __doc__ = _dropout_doc(
-        "Dropout2d", "Zero whole channels of ``(N, C, H, W)`` input.",
-        "a channel", "torch.ones(2, 3, 4, 4)", "torch.Size([2, 3, 4, 4])", alpha=False,
+        "Dropout2d",
+        "Zero whole channels of ``(N, C, H, W)`` input.",
+        "a channel",
+        "torch.ones(2, 3, 4, 4)",
+        "torch.Size([2, 3, 4, 4])",
+        alpha=False,
     )
     _impl = staticmethod(SF._impl_dropout2d)
 
 
 class Dropout3d(_ScopedDropout, nn.Dropout3d):
     __doc__ = _dropout_doc(
-        "Dropout3d", "Zero whole channels of ``(N, C, D, H, W)`` or ``(C, D, H, W)`` input.",
-        "a channel", "torch.ones(2, 3, 2, 2, 2)", "torch.Size([2, 3, 2, 2, 2])", alpha=False,
+        "Dropout3d",
+        "Zero whole channels of ``(N, C, D, H, W)`` or ``(C, D, H, W)`` input.",
+        "a channel",
+        "torch.ones(2, 3, 2, 2, 2)",
+        "torch.Size([2, 3, 2, 2, 2])",
+        alpha=False,
     )
     _impl = staticmethod(SF._impl_dropout3d)
 
 
 class AlphaDropout(_ScopedDropout, nn.AlphaDropout):
     __doc__ = _dropout_doc(
-        "AlphaDropout", "Alpha dropout: keeps SELU's zero mean and unit variance.",
-        "an element", "torch.ones(2, 3)", "torch.Size([2, 3])", alpha=True,
+        "AlphaDropout",
+        "Alpha dropout: keeps SELU's zero mean and unit variance.",
+        "an element",
+        "torch.ones(2, 3)",
+        "torch.Size([2, 3])",
+        alpha=True,
     )
     _impl = staticmethod(SF._impl_alpha_dropout)
     _uses_inplace = False
@@ -158,8 +178,12 @@ class AlphaDropout(_ScopedDropout, nn.AlphaDropout):
 
 class FeatureAlphaDropout(_ScopedDropout, nn.FeatureAlphaDropout):
     __doc__ = _dropout_doc(
-        "FeatureAlphaDropout", "Alpha dropout of whole channels.",
-        "a channel", "torch.ones(2, 3, 4)", "torch.Size([2, 3, 4])", alpha=True,
+        "FeatureAlphaDropout",
+        "Alpha dropout of whole channels.",
+        "a channel",
+        "torch.ones(2, 3, 4)",
+        "torch.Size([2, 3, 4])",
+        alpha=True,
     )
     _impl = staticmethod(SF._impl_feature_alpha_dropout)
     _uses_inplace = False
@@ -169,7 +193,7 @@ class _ScopedBatchNorm(nn.modules.batchnorm._BatchNorm):
     """Shared forward of the scoped batch-norm layers."""
 
     @torch.compiler.disable  # see NOTE [ torch.compile ] in _engine.py
-    def forward(self, input: Tensor) -> Tensor:  # noqa: A002
+    def forward(self, input: Tensor) -> Tensor:
         training, phase = tape_value("batch_norm", self, lambda: self.training)
         if phase is not Phase.RECOMPUTE:
             return super().forward(input)
@@ -187,7 +211,14 @@ class _ScopedBatchNorm(nn.modules.batchnorm._BatchNorm):
         batch_stats = training or (running_mean is None and running_var is None)
         momentum = 0.0 if self.momentum is None else self.momentum
         return F.batch_norm(
-            input, running_mean, running_var, self.weight, self.bias, batch_stats, momentum, self.eps
+            input,
+            running_mean,
+            running_var,
+            self.weight,
+            self.bias,
+            batch_stats,
+            momentum,
+            self.eps,
         )
 
 
@@ -222,6 +253,4 @@ class BatchNorm2d(_ScopedBatchNorm, nn.BatchNorm2d):
 
 
 class BatchNorm3d(_ScopedBatchNorm, nn.BatchNorm3d):
-    __doc__ = _BN_DOC.format(
-        name="BatchNorm3d", what="``(N, C, D, H, W)``", shape="4, 3, 2, 2, 2"
-    )
+    __doc__ = _BN_DOC.format(name="BatchNorm3d", what="``(N, C, D, H, W)``", shape="4, 3, 2, 2, 2")

@@ -7,7 +7,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -19,7 +19,7 @@ __all__ = ["checkpointing"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 Predicate = Callable[[str, nn.Module], bool]
-Target = Union[nn.Module, type, Predicate]
+Target = nn.Module | type | Predicate
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
@@ -120,7 +120,9 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         self._entries: list[tuple[contextvars.Token[Scope | None], _targets.Patches]] = []
 
     def __repr__(self) -> str:
-        parts = [repr(t) if not isinstance(t, nn.Module) else type(t).__name__ for t in self._targets]
+        parts = [
+            repr(t) if not isinstance(t, nn.Module) else type(t).__name__ for t in self._targets
+        ]
         parts.append(f"enabled={self._enabled}")
         if self._strict is not None:
             parts.append(f"strict={self._strict}")
@@ -143,7 +145,11 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         patches = _targets.install(modules, self._classes)
         inherited = parent.patches if parent is not None else ()
         scope = Scope(
-            self._enabled, strict, frozenset(modules_ids), classes, keep,
+            self._enabled,
+            strict,
+            frozenset(modules_ids),
+            classes,
+            keep,
             inherited + ((patches,) if patches.holders else ()),
         )
         self._entries.append((SCOPE.set(scope), patches))

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import contextvars
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from ._errors import ScopedCkptError
 
@@ -91,7 +92,7 @@ class Record:
 
     kind: str
     owner_id: int | None  # None: any owner may replay it (see Frame.take)
-    owner_name: str
+    label: object  # the layer or function, named only in error messages (see describe)
     value: Any
 
 
@@ -112,13 +113,13 @@ class Frame:
     owner: object | None = None  # the module whose forward this region is
     cursor: int = 0
 
-    def take(self, kind: str, owner_id: int | None, owner_name: str) -> Record:
+    def take(self, kind: str, owner_id: int | None, label: object) -> Record:
         """Return the next record in ``RECOMPUTE``, checking it belongs to the owner."""
         index = self.cursor
         if index >= len(self.tape.records):
             raise ScopedCkptError(
                 f"scopedckpt: the recompute of a checkpoint region made scoped call "
-                f"#{index} ({kind} of {owner_name}), but its first forward made only "
+                f"#{index} ({kind} of {describe(label)}), but its first forward made only "
                 f"{len(self.tape.records)} scoped calls. The region's control flow must "
                 "not depend on data that changes between forward and backward; move the "
                 "branch outside the region or checkpoint each branch separately."
@@ -127,8 +128,8 @@ class Frame:
         if record.kind != kind or record.owner_id != owner_id:
             raise ScopedCkptError(
                 f"scopedckpt: the recompute of a checkpoint region made scoped call "
-                f"#{index} as {kind} of {owner_name}, but the first forward made call "
-                f"#{index} as {record.kind} of {record.owner_name}. Replaying would use "
+                f"#{index} as {kind} of {describe(label)}, but the first forward made call "
+                f"#{index} as {record.kind} of {describe(record.label)}. Replaying would use "
                 "the wrong mask or statistics; the region's control flow must not depend "
                 "on data that changes between forward and backward."
             )
@@ -164,9 +165,9 @@ def tape_value(kind: str, owner: object, decide: Callable[[], T]) -> tuple[T, Ph
     if frame is None:
         return decide(), Phase.NONE
     if frame.phase is Phase.RECOMPUTE:
-        return frame.take(kind, id(owner), describe(owner)).value, Phase.RECOMPUTE
+        return frame.take(kind, id(owner), owner).value, Phase.RECOMPUTE
     value = decide()
-    frame.tape.records.append(Record(kind, id(owner), describe(owner), value))
+    frame.tape.records.append(Record(kind, id(owner), owner, value))
     return value, Phase.FORWARD
 
 

@@ -57,7 +57,9 @@ def _regioned(
 def _instance_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
     # The class's function, bound here: looking ``forward`` up at call time can
     # find this very wrapper under torch.compile and recurse.
-    inner = previous if previous is not _MISSING else functools.partial(type(module).forward, module)
+    inner = (
+        previous if previous is not _MISSING else functools.partial(type(module).forward, module)
+    )
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         return _regioned(inner, module, args, kwargs)
@@ -78,7 +80,7 @@ def _class_forward(original: Callable[..., Any]) -> Callable[..., Any]:
 def _classes_to_patch(cls: type) -> Iterator[type]:
     """``cls`` and every subclass that defines its own ``forward``."""
     yield cls
-    stack = list(cls.__subclasses__())
+    stack: list[type] = list(cls.__subclasses__())
     seen = {cls}
     while stack:
         sub = stack.pop()
@@ -123,7 +125,7 @@ class Patches:
                     if patch.previous is _MISSING:
                         delattr(holder, "forward")
                     else:
-                        setattr(holder, "forward", patch.previous)
+                        holder.forward = patch.previous  # type: ignore[attr-defined]
                 elif patch.previous is _MISSING:
                     holder.__dict__.pop("forward", None)
                 else:
@@ -146,7 +148,7 @@ def install(modules: tuple[nn.Module, ...], classes: tuple[type, ...]) -> Patche
                 continue
             if isinstance(holder, type):
                 previous = vars(holder).get("forward", _MISSING)
-                setattr(holder, "forward", _class_forward(holder.forward))
+                holder.forward = _class_forward(holder.forward)  # type: ignore[attr-defined]
             else:
                 previous = holder.__dict__.get("forward", _MISSING)
                 holder.__dict__["forward"] = _instance_forward(holder, previous)

@@ -17,8 +17,9 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -52,36 +53,56 @@ class _Mask:
     save_mask: bool
 
     def bits(self) -> Tensor:
+        """The keep-mask: ``rand < 1 - p`` from a generator seeded with ``seed``.
+
+        ``rand`` and a compare run faster on CPU than ``bernoulli_`` (one
+        sequential Mersenne Twister pass either way, so the bits do not depend
+        on the number of threads) and resolve ``p`` to 2**-24.
+        """
         generator = torch.Generator(device=self.device)
         generator.manual_seed(self.seed)
         with scoped_draws():
-            keep = torch.empty(self.shape, dtype=torch.bool, device=self.device)
-            return keep.bernoulli_(1.0 - self.p, generator=generator)
+            uniform = torch.rand(self.shape, generator=generator, device=self.device)
+            return uniform < 1.0 - self.p
 
-    def noise(self, bits: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
-        """The multiplicative noise and, for alpha dropout, the additive shift."""
-        noise = bits.to(dtype)
+    def noise(self, bits: Tensor, dtype: torch.dtype) -> Tensor:
+        """The multiplicative noise: the mask as ``dtype``, scaled.
+
+        Converting first is much faster than multiplying by a bool tensor,
+        which takes a slow mixed-dtype path on CPU.
+        """
         if not self.alpha:
-            return noise.div_(1.0 - self.p), None
-        a = 1.0 / math.sqrt((_ALPHA * _ALPHA * self.p + 1) * (1 - self.p))
-        shift = noise.add(-1).mul_(_ALPHA * a).add_(_ALPHA * a * self.p)
-        return noise.mul_(a), shift
+            return bits.to(dtype).mul_(1.0 / (1.0 - self.p))
+        return bits.to(dtype).mul_(self._alpha_a())
+
+    def _alpha_a(self) -> float:
+        return 1.0 / math.sqrt((_ALPHA * _ALPHA * self.p + 1) * (1 - self.p))
+
+    def apply(self, x: Tensor, bits: Tensor, inplace: bool = False) -> Tensor:
+        """``x`` times the noise (plus the shift for alpha dropout)."""
+        noise = self.noise(bits, x.dtype)
+        out = x.mul_(noise) if inplace else x * noise
+        if self.alpha:
+            a = self._alpha_a()
+            # ATen's shift: (mask - 1) * alpha * a + alpha * a * p
+            shift = bits.to(x.dtype).sub_(1).mul_(_ALPHA * a).add_(_ALPHA * a * self.p)
+            out = out.add_(shift)
+        return out
+
+    def grad(self, grad: Tensor, bits: Tensor) -> Tensor:
+        """The input gradient: ``grad`` times the same noise."""
+        return grad * self.noise(bits, grad.dtype)
 
 
 class _MaskedDropout(torch.autograd.Function):
     """``x * noise (+ shift)`` keeping a bool mask or only the seed for backward."""
 
     @staticmethod
-    def forward(ctx: Any, input: Tensor, mask: _Mask, inplace: bool) -> Tensor:  # noqa: A002
+    def forward(ctx: Any, input: Tensor, mask: _Mask, inplace: bool) -> Tensor:
         bits = mask.bits()
-        noise, shift = mask.noise(bits, input.dtype)
         if inplace:
             ctx.mark_dirty(input)
-            out = input.mul_(noise)
-        else:
-            out = input * noise
-        if shift is not None:
-            out = out.add_(shift)
+        out = mask.apply(input, bits, inplace)
         ctx.mask = mask
         if mask.save_mask:
             ctx.save_for_backward(bits)
@@ -91,8 +112,7 @@ class _MaskedDropout(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         mask: _Mask = ctx.mask
         bits = ctx.saved_tensors[0] if mask.save_mask else mask.bits()
-        noise, _ = mask.noise(bits, grad.dtype)
-        return grad * noise, None, None
+        return mask.grad(grad, bits), None, None
 
 
 def _check_p(p: Any, where: str) -> float:
@@ -117,7 +137,7 @@ def _draw_seed(generator: torch.Generator | None) -> int:
 
 @torch.compiler.disable  # see NOTE [ torch.compile ] in _engine.py
 def _dropout(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     p: float,
     training: bool,
     inplace: bool,
@@ -150,11 +170,11 @@ def _dropout(
         return input.mul_(zero) if inplace else input * zero
     shape = tuple(input.shape[:2]) + (1,) * (input.dim() - 2) if feature else tuple(input.shape)
     mask = _Mask(seed, p, shape, input.device, alpha, save_mask)
-    return _MaskedDropout.apply(input, mask, inplace)  # type: ignore[no-any-return]
+    return _MaskedDropout.apply(input, mask, inplace)
 
 
 def _feature(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     p: float,
     training: bool,
     inplace: bool,
@@ -182,7 +202,7 @@ Impl = Callable[[Tensor, float, bool, bool, "torch.Generator | None", bool, obje
 
 
 def _impl_dropout(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     p: float,
     training: bool,
     inplace: bool,
@@ -196,7 +216,7 @@ def _impl_dropout(
 
 
 def _impl_dropout1d(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     p: float,
     training: bool,
     inplace: bool,
@@ -210,13 +230,20 @@ def _impl_dropout1d(
             f"{input.dim()}D input. Use dropout for element-wise dropout."
         )
     return _feature(
-        input, p, training, inplace, generator, save_mask, owner,
-        batched=input.dim() == 3, alpha=False,
+        input,
+        p,
+        training,
+        inplace,
+        generator,
+        save_mask,
+        owner,
+        batched=input.dim() == 3,
+        alpha=False,
     )
 
 
 def _impl_dropout2d(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     p: float,
     training: bool,
     inplace: bool,
@@ -240,7 +267,7 @@ def _impl_dropout2d(
 
 
 def _impl_dropout3d(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     p: float,
     training: bool,
     inplace: bool,
@@ -250,13 +277,20 @@ def _impl_dropout3d(
 ) -> Tensor:
     _warn_feature_dims(input, "dropout3d", (4, 5))
     return _feature(
-        input, p, training, inplace, generator, save_mask, owner,
-        batched=input.dim() == 5, alpha=False,
+        input,
+        p,
+        training,
+        inplace,
+        generator,
+        save_mask,
+        owner,
+        batched=input.dim() == 5,
+        alpha=False,
     )
 
 
 def _impl_alpha_dropout(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     p: float,
     training: bool,
     inplace: bool,
@@ -270,7 +304,7 @@ def _impl_alpha_dropout(
 
 
 def _impl_feature_alpha_dropout(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     p: float,
     training: bool,
     inplace: bool,
@@ -284,7 +318,7 @@ def _impl_feature_alpha_dropout(
 
 
 def dropout(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     p: float = 0.5,
     training: bool = True,
     inplace: bool = False,
@@ -337,7 +371,7 @@ def dropout(
 
 
 def dropout1d(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     p: float = 0.5,
     training: bool = True,
     inplace: bool = False,
@@ -359,7 +393,7 @@ def dropout1d(
 
 
 def dropout2d(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     p: float = 0.5,
     training: bool = True,
     inplace: bool = False,
@@ -384,7 +418,7 @@ def dropout2d(
 
 
 def dropout3d(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     p: float = 0.5,
     training: bool = True,
     inplace: bool = False,
@@ -406,7 +440,7 @@ def dropout3d(
 
 
 def alpha_dropout(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     p: float = 0.5,
     training: bool = False,
     inplace: bool = False,
@@ -428,7 +462,7 @@ def alpha_dropout(
 
 
 def feature_alpha_dropout(
-    input: Tensor,  # noqa: A002
+    input: Tensor,
     p: float = 0.5,
     training: bool = False,
     inplace: bool = False,
@@ -446,10 +480,12 @@ def feature_alpha_dropout(
     torch.Size([2, 3, 4])
     """
     p = _check_p(p, "feature_alpha_dropout")
-    return _impl_feature_alpha_dropout(input, p, training, inplace, generator, save_mask, feature_alpha_dropout)
+    return _impl_feature_alpha_dropout(
+        input, p, training, inplace, generator, save_mask, feature_alpha_dropout
+    )
 
 
-def _warn_feature_dims(input: Tensor, name: str, dims: tuple[int, int]) -> None:  # noqa: A002
+def _warn_feature_dims(input: Tensor, name: str, dims: tuple[int, int]) -> None:
     if input.dim() not in dims:
         warnings.warn(
             f"{name}: Received a {input.dim()}-D input to {name}, which is deprecated "

@@ -10,7 +10,7 @@ regions, possibly nested. :class:`ProgramModel` runs the program, calling
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 from hypothesis import strategies as st
@@ -34,14 +34,18 @@ class Region:
     early_stop: bool
 
 
-Program = Union[int, Region]
+Program = int | Region
 
 
 @st.composite
 def layers(draw: st.DrawFn, rank: int, c: int) -> nn.Module:
     """One shape-preserving layer for input of ``rank`` with ``c`` channels."""
-    batch_norm = {2: scopedckpt.BatchNorm1d, 3: scopedckpt.BatchNorm1d,
-                  4: scopedckpt.BatchNorm2d, 5: scopedckpt.BatchNorm3d}[rank]
+    batch_norm = {
+        2: scopedckpt.BatchNorm1d,
+        3: scopedckpt.BatchNorm1d,
+        4: scopedckpt.BatchNorm2d,
+        5: scopedckpt.BatchNorm3d,
+    }[rank]
     channel_dropout = {3: scopedckpt.Dropout1d, 4: scopedckpt.Dropout2d, 5: scopedckpt.Dropout3d}
     conv = {3: nn.Conv1d, 4: nn.Conv2d, 5: nn.Conv3d}
     # Stateful layers are what can go wrong: draw them most often.
@@ -93,9 +97,7 @@ class ProgramModel(nn.Module):
     def _run(self, items: tuple[Program, ...], x: Tensor) -> Tensor:
         for item in items:
             if isinstance(item, Region):
-                x = scopedckpt.checkpoint(
-                    self._run, item.body, x, early_stop=item.early_stop
-                )
+                x = scopedckpt.checkpoint(self._run, item.body, x, early_stop=item.early_stop)
             else:
                 x = self.pool[item](x)
         return x

@@ -48,7 +48,9 @@ def test_selective_checkpoint_must_save_still_double_counts() -> None:
     model = _bn_model(nn.BatchNorm1d)
     x = torch.randn(6, 4, requires_grad=True)
     out = tc.checkpoint(
-        model, x, use_reentrant=False,
+        model,
+        x,
+        use_reentrant=False,
         context_fn=lambda: create_selective_checkpoint_contexts(policy),
     )
     out.sum().backward()
@@ -64,7 +66,11 @@ def test_torch_checkpoint_without_rng_stash_gives_wrong_dropout_gradients() -> N
         m = copy.deepcopy(model)
         torch.manual_seed(1)
         xi = x.clone().requires_grad_()
-        out = tc.checkpoint(m, xi, use_reentrant=False, preserve_rng_state=False) if checkpointed else m(xi)
+        out = (
+            tc.checkpoint(m, xi, use_reentrant=False, preserve_rng_state=False)
+            if checkpointed
+            else m(xi)
+        )
         out.square().sum().backward()
         return xi.grad
 

@@ -20,10 +20,18 @@ pytestmark = [
 
 def _model() -> nn.Sequential:
     torch.manual_seed(0)
-    return scopedckpt.convert(nn.Sequential(
-        nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.3),
-        nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None), nn.Dropout(0.3), nn.Linear(8, 2),
-    ))
+    return scopedckpt.convert(
+        nn.Sequential(
+            nn.Linear(8, 8),
+            nn.BatchNorm1d(8),
+            nn.ReLU(),
+            nn.Dropout(0.3),
+            nn.Linear(8, 8),
+            nn.BatchNorm1d(8, momentum=None),
+            nn.Dropout(0.3),
+            nn.Linear(8, 2),
+        )
+    )
 
 
 def _train(model: nn.Module, compiled: bool, checkpointed: bool, steps: int = 2) -> tuple:
@@ -66,9 +74,11 @@ def test_graph_breaks_are_counted() -> None:
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = scopedckpt.convert(nn.Sequential(
-        nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.3), nn.Linear(8, 2)
-    ))
+    model = scopedckpt.convert(
+        nn.Sequential(
+            nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.3), nn.Linear(8, 2)
+        )
+    )
     graphs: list[torch.fx.GraphModule] = []
 
     def counting_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:

@@ -13,12 +13,22 @@ from scopedckpt.testing import _Snapshot
 
 def _model() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 6), scopedckpt.BatchNorm1d(6), scopedckpt.Dropout(0.4),
-                         nn.Linear(6, 6), scopedckpt.BatchNorm1d(6), scopedckpt.Dropout(0.4))
+    return nn.Sequential(
+        nn.Linear(6, 6),
+        scopedckpt.BatchNorm1d(6),
+        scopedckpt.Dropout(0.4),
+        nn.Linear(6, 6),
+        scopedckpt.BatchNorm1d(6),
+        scopedckpt.Dropout(0.4),
+    )
 
 
-def _train(model: nn.Module, checkpointed: bool, generator: torch.Generator,
-           barrier: threading.Barrier | None) -> _Snapshot:
+def _train(
+    model: nn.Module,
+    checkpointed: bool,
+    generator: torch.Generator,
+    barrier: threading.Barrier | None,
+) -> _Snapshot:
     for m in model.modules():
         if isinstance(m, scopedckpt.Dropout):
             m.generator = generator  # per-thread seeds: the global stream is shared

@@ -16,11 +16,22 @@ import scopedckpt
 def _model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=None), nn.Dropout2d(0.2),
-        nn.Flatten(), nn.Dropout(0.1), nn.AlphaDropout(0.1), nn.Linear(64, 8),
-        nn.BatchNorm1d(8, affine=False), nn.FeatureAlphaDropout(0.1),
-        nn.Sequential(nn.Unflatten(1, (2, 4)), nn.Dropout1d(0.1), nn.Unflatten(2, (2, 2, 1)),
-                      nn.BatchNorm3d(2), nn.Dropout3d(0.1)),
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4, momentum=None),
+        nn.Dropout2d(0.2),
+        nn.Flatten(),
+        nn.Dropout(0.1),
+        nn.AlphaDropout(0.1),
+        nn.Linear(64, 8),
+        nn.BatchNorm1d(8, affine=False),
+        nn.FeatureAlphaDropout(0.1),
+        nn.Sequential(
+            nn.Unflatten(1, (2, 4)),
+            nn.Dropout1d(0.1),
+            nn.Unflatten(2, (2, 2, 1)),
+            nn.BatchNorm3d(2),
+            nn.Dropout3d(0.1),
+        ),
     )
 
 
@@ -33,7 +44,9 @@ def test_every_torch_layer_is_replaced_keeping_tensors_and_mode() -> None:
     assert converted is model
     for name, module in converted.named_modules():
         torch_type = type(dict(original.named_modules())[name])
-        if torch_type.__module__.startswith("torch.nn.modules.") and hasattr(scopedckpt, torch_type.__name__):
+        if torch_type.__module__.startswith("torch.nn.modules.") and hasattr(
+            scopedckpt, torch_type.__name__
+        ):
             assert type(module) is getattr(scopedckpt, torch_type.__name__), name
         assert isinstance(module, torch_type)
         assert module.training is False
@@ -86,7 +99,9 @@ def test_user_subclasses_are_reported_not_replaced() -> None:
         pass
 
     model = nn.Sequential(MyDropout(0.1), nn.Dropout(0.1))
-    with pytest.warns(UserWarning, match=re.escape("unchanged, since their forward may differ from torch's: 0 (")):
+    with pytest.warns(
+        UserWarning, match=re.escape("unchanged, since their forward may differ from torch's: 0 (")
+    ):
         scopedckpt.convert(model)
     assert type(model[0]) is MyDropout and type(model[1]) is scopedckpt.Dropout
 
@@ -98,5 +113,7 @@ def test_attention_dropout_is_reported() -> None:
 
 
 def test_non_module_is_rejected() -> None:
-    with pytest.raises(TypeError, match=re.escape("scopedckpt: convert expected an nn.Module, got list.")):
+    with pytest.raises(
+        TypeError, match=re.escape("scopedckpt: convert expected an nn.Module, got list.")
+    ):
         scopedckpt.convert([nn.Dropout()])  # type: ignore[arg-type]

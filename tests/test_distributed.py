@@ -24,11 +24,13 @@ WORLD = 2
 
 def _model() -> nn.Sequential:
     torch.manual_seed(0)
-    return scopedckpt.convert(nn.Sequential(
-        nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.3)),
-        nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None), nn.Dropout(0.3)),
-        nn.Linear(8, 2),
-    ))
+    return scopedckpt.convert(
+        nn.Sequential(
+            nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.3)),
+            nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None), nn.Dropout(0.3)),
+            nn.Linear(8, 2),
+        )
+    )
 
 
 def _batch(step: int, rank: int) -> torch.Tensor:
@@ -61,7 +63,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     try:
         results = {
             (ckpt, unused): _train(rank, ckpt, unused)
-            for ckpt in (False, True) for unused in (False, True)
+            for ckpt in (False, True)
+            for unused in (False, True)
         }
         torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
@@ -110,7 +113,9 @@ def test_ddp_regions_are_exact_and_match_the_single_process_reference(tmp_path: 
             flat_a = torch.cat([t.flatten().double() for t in _flatten(plain[key])])
             flat_b = torch.cat([t.flatten().double() for t in _flatten(ckpt[key])])
             assert torch.equal(flat_a, flat_b), key  # checkpointed == plain DDP, bitwise
-            other = torch.cat([t.flatten().double() for t in _flatten(ranks[1][(True, unused)][key])])
+            other = torch.cat(
+                [t.flatten().double() for t in _flatten(ranks[1][(True, unused)][key])]
+            )
             if key != "buffers":
                 assert torch.equal(flat_b, other), key  # ranks agree bitwise
         assert int(ckpt["buffers"][2]) == STEPS  # num_batches_tracked: once per step
@@ -130,6 +135,7 @@ def test_sync_batch_norm_still_refuses_cpu() -> None:
     """docs/distributed.md says SyncBatchNorm cannot sync on CPU; fail when torch changes that."""
     import inspect
 
-    assert 'raise ValueError(\n                    "SyncBatchNorm expected input tensor to be on GPU' in inspect.getsource(
-        nn.SyncBatchNorm.forward
+    assert (
+        'raise ValueError(\n                    "SyncBatchNorm expected input tensor to be on GPU'
+        in inspect.getsource(nn.SyncBatchNorm.forward)
     )

@@ -127,10 +127,13 @@ def test_backward_on_another_thread_is_exact() -> None:
 
 
 def test_non_callable_fn_is_rejected() -> None:
-    with pytest.raises(TypeError, match=re.escape(
-        "scopedckpt: checkpoint expected a callable fn (a function or an nn.Module) as its "
-        "first argument, but got Tensor."
-    )):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "scopedckpt: checkpoint expected a callable fn (a function or an nn.Module) as its "
+            "first argument, but got Tensor."
+        ),
+    ):
         scopedckpt.checkpoint(torch.ones(2), torch.ones(2))
 
 
@@ -191,12 +194,15 @@ def test_data_dependent_control_flow_raises_naming_the_layer_and_call() -> None:
     x = torch.randn(4, 6, requires_grad=True)
     with scopedckpt.checkpointing():
         out = scopedckpt.checkpoint(branchy, x)
-    with pytest.raises(scopedckpt.ScopedCkptError, match=re.escape(
-        "scopedckpt: the recompute of a checkpoint region made scoped call #0 as batch_norm "
-        "of BatchNorm1d(6, eps=1e-05, momentum=0.1, affine=True, bias=True, "
-        "track_running_stats=True), but the first forward made call #0 as dropout of "
-        "Dropout(p=0.5, inplace=False)."
-    )):
+    with pytest.raises(
+        scopedckpt.ScopedCkptError,
+        match=re.escape(
+            "scopedckpt: the recompute of a checkpoint region made scoped call #0 as batch_norm "
+            "of BatchNorm1d(6, eps=1e-05, momentum=0.1, affine=True, bias=True, "
+            "track_running_stats=True), but the first forward made call #0 as dropout of "
+            "Dropout(p=0.5, inplace=False)."
+        ),
+    ):
         out.sum().backward()
 
 
@@ -213,7 +219,9 @@ def test_recompute_with_more_scoped_calls_than_the_forward_raises() -> None:
     x = torch.randn(4, 6, requires_grad=True)
     with scopedckpt.checkpointing():
         out = scopedckpt.checkpoint(growing, x, early_stop=False)
-    with pytest.raises(scopedckpt.ScopedCkptError, match="made scoped call #1 .* only 1 scoped calls"):
+    with pytest.raises(
+        scopedckpt.ScopedCkptError, match=r"made scoped call #1 .* only 1 scoped calls"
+    ):
         out.sum().backward()
 
 
@@ -236,11 +244,19 @@ def test_user_generator_drives_the_seeds_and_leaves_the_global_stream_alone() ->
 
 def test_strict_mode_names_unscoped_random_ops() -> None:
     x = torch.randn(4, 6, requires_grad=True)
-    with pytest.raises(scopedckpt.ScopedCkptError, match=r"strict mode found the random op aten\.bernoulli"), \
-            scopedckpt.checkpointing(strict=True):
+    with (
+        pytest.raises(
+            scopedckpt.ScopedCkptError, match=r"strict mode found the random op aten\.bernoulli"
+        ),
+        scopedckpt.checkpointing(strict=True),
+    ):
         scopedckpt.checkpoint(nn.Dropout(0.5), x)
-    with pytest.raises(scopedckpt.ScopedCkptError, match=r"random op aten\.rand\.default .*scopedckpt\.convert"), \
-            scopedckpt.checkpointing(strict=True):
+    with (
+        pytest.raises(
+            scopedckpt.ScopedCkptError, match=r"random op aten\.rand\.default .*scopedckpt\.convert"
+        ),
+        scopedckpt.checkpointing(strict=True),
+    ):
         scopedckpt.checkpoint(lambda t: t * torch.rand(t.shape), x)
 
 

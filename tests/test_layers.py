@@ -42,7 +42,9 @@ def test_dropout_is_a_drop_in(scoped: type, torch_cls: type, shape: tuple[int, .
 
 
 @pytest.mark.parametrize(("scoped", "torch_cls", "shape"), DROPOUTS)
-def test_dropout_statistics_match_torch(scoped: type, torch_cls: type, shape: tuple[int, ...]) -> None:
+def test_dropout_statistics_match_torch(
+    scoped: type, torch_cls: type, shape: tuple[int, ...]
+) -> None:
     """Not the same bits as torch (another RNG path) but the same distribution."""
     torch.manual_seed(0)
     if "Alpha" in scoped.__name__:
@@ -153,7 +155,9 @@ def test_low_precision_regions_are_exact(dtype: torch.dtype) -> None:
         nn.Linear(8, 8), scopedckpt.Dropout(0.3), scopedckpt.AlphaDropout(0.2)
     ).to(dtype)
     assert_checkpoint_equivalent(model, torch.randn(4, 8, dtype=dtype), targets=[model])
-    bn = nn.Sequential(nn.Conv2d(3, 3, 1), scopedckpt.BatchNorm2d(3), scopedckpt.Dropout2d(0.5)).to(dtype)
+    bn = nn.Sequential(nn.Conv2d(3, 3, 1), scopedckpt.BatchNorm2d(3), scopedckpt.Dropout2d(0.5)).to(
+        dtype
+    )
     assert_checkpoint_equivalent(bn, torch.randn(4, 3, 2, 2).to(dtype), targets=[bn], loss_fn=None)
 
 
@@ -172,16 +176,31 @@ def test_invalid_p_is_rejected(p: float) -> None:
 
 
 def test_non_number_p_and_bad_generator_are_rejected() -> None:
-    with pytest.raises(TypeError, match=re.escape("scopedckpt: Dropout2d expected p to be a float probability, got str.")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape("scopedckpt: Dropout2d expected p to be a float probability, got str."),
+    ):
         scopedckpt.Dropout2d("0.5")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=re.escape("scopedckpt: Dropout(generator=...) must be a torch.Generator or None, got int.")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "scopedckpt: Dropout(generator=...) must be a torch.Generator or None, got int."
+        ),
+    ):
         scopedckpt.Dropout(0.5, generator=3)  # type: ignore[arg-type]
 
 
 def test_channel_dropout_shape_errors_and_warnings() -> None:
-    with pytest.raises(RuntimeError, match=re.escape("scopedckpt: dropout1d expected 2D (C, L) or 3D (N, C, L) input, but got a 4D input.")):
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape(
+            "scopedckpt: dropout1d expected 2D (C, L) or 3D (N, C, L) input, but got a 4D input."
+        ),
+    ):
         scopedckpt.Dropout1d(0.5)(torch.ones(2, 2, 2, 2))
-    with pytest.raises(RuntimeError, match="channel-wise dropout needs input with at least 2 dimensions"):
+    with pytest.raises(
+        RuntimeError, match="channel-wise dropout needs input with at least 2 dimensions"
+    ):
         SF.feature_alpha_dropout(torch.ones(3), 0.5, training=True)
     with pytest.warns(UserWarning, match="assuming that channel-wise 1D dropout"):
         scopedckpt.Dropout2d(0.5)(torch.ones(2, 2, 2))
@@ -192,8 +211,14 @@ def test_channel_dropout_shape_errors_and_warnings() -> None:
 
 
 @pytest.mark.parametrize(("scoped", "torch_cls", "shape"), DROPOUTS[:1] + BATCH_NORMS[:1])
-def test_pickle_deepcopy_and_save_load_into_torch(scoped: type, torch_cls: type, shape: tuple) -> None:
-    layer = scoped(3) if "Batch" in scoped.__name__ else scoped(0.3, generator=torch.Generator().manual_seed(1))
+def test_pickle_deepcopy_and_save_load_into_torch(
+    scoped: type, torch_cls: type, shape: tuple
+) -> None:
+    layer = (
+        scoped(3)
+        if "Batch" in scoped.__name__
+        else scoped(0.3, generator=torch.Generator().manual_seed(1))
+    )
     for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
         assert type(clone) is scoped and repr(clone) == repr(layer)
     buffer = io.BytesIO()

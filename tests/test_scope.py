@@ -97,9 +97,21 @@ def test_asyncio_tasks_see_their_own_scopes() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"enabled": 1}, TypeError, "scopedckpt: checkpointing(enabled=...) must be a bool, got int."),
-        ({"strict": "yes"}, TypeError, "scopedckpt: checkpointing(strict=...) must be a bool or None, got str."),
-        ({"root": 3}, TypeError, "scopedckpt: checkpointing(root=...) must be an nn.Module, got int."),
+        (
+            {"enabled": 1},
+            TypeError,
+            "scopedckpt: checkpointing(enabled=...) must be a bool, got int.",
+        ),
+        (
+            {"strict": "yes"},
+            TypeError,
+            "scopedckpt: checkpointing(strict=...) must be a bool or None, got str.",
+        ),
+        (
+            {"root": 3},
+            TypeError,
+            "scopedckpt: checkpointing(root=...) must be an nn.Module, got int.",
+        ),
     ],
 )
 def test_bad_flags_are_rejected(kwargs: dict, error: type, message: str) -> None:
@@ -108,9 +120,13 @@ def test_bad_flags_are_rejected(kwargs: dict, error: type, message: str) -> None
 
 
 def test_bad_targets_are_rejected() -> None:
-    with pytest.raises(TypeError, match=re.escape("scopedckpt: checkpointing target #0 is a bool;")):
+    with pytest.raises(
+        TypeError, match=re.escape("scopedckpt: checkpointing target #0 is a bool;")
+    ):
         scopedckpt.checkpointing(False)
-    with pytest.raises(TypeError, match=re.escape("target #1 is the class int, which is not an nn.Module")):
+    with pytest.raises(
+        TypeError, match=re.escape("target #1 is the class int, which is not an nn.Module")
+    ):
         scopedckpt.checkpointing(torch.nn.Linear, int)
     with pytest.raises(ValueError, match=re.escape("pass checkpointing(predicate, root=model)")):
         scopedckpt.checkpointing(lambda name, module: True)

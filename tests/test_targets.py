@@ -19,10 +19,12 @@ from scopedckpt.testing import strategies as sst
 
 def _mlp() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*[
-        nn.Sequential(nn.Linear(4, 4), scopedckpt.BatchNorm1d(4), scopedckpt.Dropout(0.3))
-        for _ in range(3)
-    ])
+    return nn.Sequential(
+        *[
+            nn.Sequential(nn.Linear(4, 4), scopedckpt.BatchNorm1d(4), scopedckpt.Dropout(0.3))
+            for _ in range(3)
+        ]
+    )
 
 
 def test_instance_target_is_a_region_and_leaves_no_trace() -> None:
@@ -59,7 +61,10 @@ def test_module_list_selects_each_child_and_class_targets_every_instance() -> No
             for block in blocks:
                 h = block(h)
         assert COUNTERS.regions - before == 3
-    assert "forward" not in vars(nn.Sequential) or nn.Sequential.forward.__qualname__ == "Sequential.forward"
+    assert (
+        "forward" not in vars(nn.Sequential)
+        or nn.Sequential.forward.__qualname__ == "Sequential.forward"
+    )
 
 
 def test_predicate_targets_need_root_and_select_by_name() -> None:
@@ -98,7 +103,9 @@ def test_class_target_covers_subclasses_once_and_restores_the_classes() -> None:
 def test_nested_targets_are_nested_regions_and_exact() -> None:
     model = _mlp()
     outer = nn.Sequential(model)
-    assert_checkpoint_equivalent(outer, torch.randn(6, 4), targets=[outer, model[0], model[2]], steps=2)
+    assert_checkpoint_equivalent(
+        outer, torch.randn(6, 4), targets=[outer, model[0], model[2]], steps=2
+    )
 
 
 def test_keyword_arguments_and_dict_outputs() -> None:
@@ -176,15 +183,21 @@ def test_converted_transformer_trains_bit_identically() -> None:
     assert isinstance(encoder.layers[0].dropout1, scopedckpt.Dropout)
     x = torch.randn(3, 5, 16)
     assert_checkpoint_equivalent(encoder, x, targets=[nn.TransformerEncoderLayer], steps=3)
-    assert_checkpoint_equivalent(encoder, x, targets=[encoder.layers], steps=2, backward="retain_graph")
+    assert_checkpoint_equivalent(
+        encoder, x, targets=[encoder.layers], steps=2, backward="retain_graph"
+    )
 
 
 class ResBlock(nn.Module):
     def __init__(self, c: int) -> None:
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(),
-            nn.Dropout2d(0.1), nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c),
+            nn.Conv2d(c, c, 3, padding=1, bias=False),
+            nn.BatchNorm2d(c),
+            nn.ReLU(),
+            nn.Dropout2d(0.1),
+            nn.Conv2d(c, c, 3, padding=1, bias=False),
+            nn.BatchNorm2d(c),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,34 +206,54 @@ class ResBlock(nn.Module):
 
 def test_converted_resnet_trains_bit_identically() -> None:
     torch.manual_seed(0)
-    net = scopedckpt.convert(nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        ResBlock(8), ResBlock(8), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.2),
-        nn.Linear(8, 10),
-    ))
+    net = scopedckpt.convert(
+        nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            ResBlock(8),
+            ResBlock(8),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Dropout(0.2),
+            nn.Linear(8, 10),
+        )
+    )
     x = torch.randn(4, 3, 8, 8)
     assert_checkpoint_equivalent(net, x, targets=[ResBlock], steps=3)
-    assert_checkpoint_equivalent(net, x, targets=[net[3], net[4].body], steps=2, backward="grad_then_backward")
+    assert_checkpoint_equivalent(
+        net, x, targets=[net[3], net[4].body], steps=2, backward="grad_then_backward"
+    )
 
 
 @settings(max_examples=20)
 @given(data=st.data(), depth=st.integers(1, 4), seed=sst.seeds())
-def test_random_target_selections_train_identically(data: st.DataObject, depth: int, seed: int) -> None:
+def test_random_target_selections_train_identically(
+    data: st.DataObject, depth: int, seed: int
+) -> None:
     torch.manual_seed(seed % 1000)
     p = data.draw(st.floats(0.0, 0.9))
     blocks = [
-        nn.Sequential(nn.Linear(4, 4), scopedckpt.BatchNorm1d(4, momentum=data.draw(st.sampled_from([None, 0.1]))),
-                      nn.ReLU(), scopedckpt.Dropout(p))
+        nn.Sequential(
+            nn.Linear(4, 4),
+            scopedckpt.BatchNorm1d(4, momentum=data.draw(st.sampled_from([None, 0.1]))),
+            nn.ReLU(),
+            scopedckpt.Dropout(p),
+        )
         for _ in range(depth)
     ]
     model = nn.Sequential(*blocks)
     targets = data.draw(sst.regions(model))
     x = data.draw(sst.batches((4,)))
-    assert_checkpoint_equivalent(model, x, targets=targets, seed=seed, steps=2, require_regions=False)
+    assert_checkpoint_equivalent(
+        model, x, targets=targets, seed=seed, steps=2, require_regions=False
+    )
 
 
 def test_strict_scope_applies_to_targets() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
-    with pytest.raises(scopedckpt.ScopedCkptError, match="strict mode found the random op"), \
-            scopedckpt.checkpointing(model, strict=True):
+    with (
+        pytest.raises(scopedckpt.ScopedCkptError, match="strict mode found the random op"),
+        scopedckpt.checkpointing(model, strict=True),
+    ):
         model(torch.randn(2, 4, requires_grad=True))

@@ -31,10 +31,13 @@ class ForgetfulBatchNorm(nn.BatchNorm1d):
 def test_mismatch_names_the_first_differing_tensor() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), ForgetfulBatchNorm(4))
-    with pytest.raises(AssertionError, match=re.escape(
-        "scopedckpt: step 0: buffer '1.running_mean' differs between the checkpointed and the "
-        "plain run: max abs diff"
-    )):
+    with pytest.raises(
+        AssertionError,
+        match=re.escape(
+            "scopedckpt: step 0: buffer '1.running_mean' differs between the checkpointed and the "
+            "plain run: max abs diff"
+        ),
+    ):
         assert_checkpoint_equivalent(model, torch.randn(5, 4))
 
 
@@ -64,7 +67,9 @@ def test_model_and_callers_rng_are_left_alone() -> None:
 
 def test_bad_arguments_are_rejected() -> None:
     model = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match=re.escape("scopedckpt: steps must be a positive int, got 0.")):
+    with pytest.raises(
+        ValueError, match=re.escape("scopedckpt: steps must be a positive int, got 0.")
+    ):
         assert_checkpoint_equivalent(model, torch.ones(2, 2), steps=0)
     with pytest.raises(ValueError, match=re.escape("scopedckpt: backward must be one of")):
         assert_checkpoint_equivalent(model, torch.ones(2, 2), backward="twice")  # type: ignore[arg-type]

@@ -76,7 +76,9 @@ def _describe_difference(a: Tensor, b: Tensor) -> str:
     diff = (a - b).abs()
     diff = torch.where(torch.isnan(a) != torch.isnan(b), torch.inf, diff.nan_to_num(0.0))
     flat = int(diff.reshape(-1).argmax()) if diff.numel() else 0
-    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)) if a.dim() else ()
+    index = (
+        tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)) if a.dim() else ()
+    )
     count = int((a != b).sum()) if a.dim() else 1
     return (
         f"max abs diff {float(diff.max()):.3g} at index {index} (checkpointed "
@@ -119,7 +121,8 @@ def _run(
             tag = f"step {step}:"
             leaves = tuple(
                 x.detach().clone().requires_grad_(x.is_floating_point())
-                if isinstance(x, Tensor) else x
+                if isinstance(x, Tensor)
+                else x
                 for x in inputs
             )
             for _, p in params:
@@ -134,7 +137,9 @@ def _run(
                 snap.add(f"{tag} {name}", t)
             snap.add(f"{tag} loss", loss)
             if backward != "none":
-                wrt = [p for _, p in params] + [x for x in leaves if isinstance(x, Tensor) and x.requires_grad]
+                wrt = [p for _, p in params] + [
+                    x for x in leaves if isinstance(x, Tensor) and x.requires_grad
+                ]
                 if backward in ("retain_graph", "grad_then_backward"):
                     grads = torch.autograd.grad(loss, wrt, retain_graph=True, allow_unused=True)
                     for index, g in enumerate(grads):

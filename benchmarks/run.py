@@ -1,0 +1,311 @@
+"""Memory and speed of scopedckpt against torch.utils.checkpoint and no checkpointing.
+
+Run by hand (not part of the test suite)::
+
+    pip install -e ".[bench]" && python benchmarks/run.py [--quick]
+
+Configurations, all over the same regions (one per block):
+  (a) plain torch layers, no checkpointing
+  (b) torch.utils.checkpoint(use_reentrant=False, preserve_rng_state=True)
+  (c) scopedckpt regions with scoped layers
+  (d) scoped layers, no checkpointing
+Prints a table of ratios, writes benchmarks/results/results.json and results.png.
+Times are medians of interleaved repeats (a, b, c, d, a, b, ...) in one process, so
+machine noise hits every configuration alike; peak RSS is measured per configuration in
+its own subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.utils.checkpoint as tc
+from torch import nn
+
+import scopedckpt
+from scopedckpt._demo import saved_activation_bytes
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CONFIGS = ("a", "b", "c", "d")
+NAMES = {
+    "a": "plain nn",
+    "b": "torch.utils.checkpoint",
+    "c": "scopedckpt",
+    "d": "scoped layers, no ckpt",
+}
+
+
+class Blocks(nn.Module):
+    """A stem, a stack of blocks (the regions) and a head."""
+
+    def __init__(self, blocks: list[nn.Module], stem: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.stem, self.blocks, self.head = stem, nn.ModuleList(blocks), head
+        self.mode = "a"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            if self.mode == "b":
+                x = tc.checkpoint(block, x, use_reentrant=False, preserve_rng_state=True)
+            elif self.mode == "c":
+                x = scopedckpt.checkpoint(block, x)
+            else:
+                x = block(x)
+        return self.head(x)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(c, c, 3, padding=1, bias=False),
+            nn.BatchNorm2d(c),
+            nn.ReLU(),
+            nn.Dropout2d(0.1),
+            nn.Conv2d(c, c, 3, padding=1, bias=False),
+            nn.BatchNorm2d(c),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + self.body(x)).relu()
+
+
+def mlp(depth: int) -> tuple[Blocks, torch.Tensor]:
+    w = 512
+    blocks = [
+        nn.Sequential(nn.Linear(w, w), nn.BatchNorm1d(w), nn.GELU(), nn.Dropout(0.1))
+        for _ in range(depth)
+    ]
+    return Blocks(blocks, nn.Identity(), nn.Linear(w, 10)), torch.randn(256, w)
+
+
+def transformer(depth: int) -> tuple[Blocks, torch.Tensor]:
+    d = 128
+    blocks = []
+    for _ in range(depth):
+        layer = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.1, batch_first=True)
+        layer.self_attn.dropout = 0.0  # functional inside torch: not replayable
+        blocks.append(layer)
+    return Blocks(blocks, nn.Identity(), nn.Linear(d, 10)), torch.randn(16, 64, d)
+
+
+def cnn(depth: int) -> tuple[Blocks, torch.Tensor]:
+    c = 32
+    stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU())
+    head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10))
+    return Blocks([ResBlock(c) for _ in range(depth)], stem, head), torch.randn(16, 3, 32, 32)
+
+
+MODELS: dict[str, Callable[[int], tuple[Blocks, torch.Tensor]]] = {
+    "mlp": mlp,
+    "transformer": transformer,
+    "cnn": cnn,
+}
+
+
+def build(kind: str, depth: int, config: str) -> tuple[Blocks, torch.Tensor]:
+    torch.manual_seed(0)
+    model, x = MODELS[kind](depth)
+    if config in ("c", "d"):
+        model = scopedckpt.convert(model)
+    model.mode = config
+    return model, x
+
+
+def step(model: Blocks, x: torch.Tensor) -> None:
+    with scopedckpt.checkpointing(enabled=model.mode == "c"):
+        loss = model(x).square().mean()
+    loss.backward()
+    for p in model.parameters():
+        p.grad = None
+
+
+def saved_bytes(model: Blocks, x: torch.Tensor) -> int:
+    def forward() -> torch.Tensor:
+        with scopedckpt.checkpointing(enabled=model.mode == "c"):
+            return model(x)
+
+    return saved_activation_bytes(forward, exclude=model.parameters())
+
+
+def measure(kind: str, depth: int, repeats: int) -> dict[str, object]:
+    models = {c: build(kind, depth, c) for c in CONFIGS}
+    for c in CONFIGS:  # warm-up
+        step(*models[c])
+    times: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    for _ in range(repeats):
+        for c in CONFIGS:
+            start = time.perf_counter()
+            step(*models[c])
+            times[c].append(time.perf_counter() - start)
+    median = {c: statistics.median(times[c]) for c in CONFIGS}
+    saved = {c: saved_bytes(*models[c]) for c in CONFIGS}
+    return {
+        "model": kind,
+        "depth": depth,
+        "median_s": median,
+        "saved_bytes": saved,
+        "c/b": median["c"] / median["b"],
+        "c/a": median["c"] / median["a"],
+        "d/a": median["d"] / median["a"],
+        "saved c-b per dropout call": (saved["c"] - saved["b"]) / max(1, _dropouts(models["c"][0])),
+    }
+
+
+def _dropouts(model: nn.Module) -> int:
+    return sum(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def step_peak_mib(kind: str, depth: int, config: str) -> float:
+    """Run in a fresh process: peak RSS of one step above the RSS before it (Linux)."""
+    model, x = build(kind, depth, config)
+    # The first step: later ones reuse heap pages freed by earlier ones, which
+    # hides their peak from RSS.
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to now
+    before = _status_kib("VmRSS")
+    step(model, x)
+    return (_status_kib("VmHWM") - before) / 1024
+
+
+def peak_rss_mib(kind: str, depth: int, config: str) -> float:
+    """Peak resident memory a training step adds, each configuration in its own subprocess."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import run; "
+        f"print(run.step_peak_mib({kind!r}, {depth}, {config!r}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def dropout_bytes_per_element() -> dict[str, float]:
+    """Bytes a lone dropout keeps for backward, per input element."""
+    x = torch.randn(1 << 20, requires_grad=True)
+    n = x.numel()
+    result = {}
+    for name, layer in (
+        ("nn.Dropout", nn.Dropout(0.1)),
+        ("scopedckpt.Dropout(save_mask=True)", scopedckpt.Dropout(0.1)),
+        ("scopedckpt.Dropout(save_mask=False)", scopedckpt.Dropout(0.1, save_mask=False)),
+    ):
+        result[name] = saved_activation_bytes(lambda layer=layer: layer(x)) / n
+    return result
+
+
+def dropout_step_ratio(repeats: int) -> dict[str, float]:
+    """Forward+backward time of the two scoped mask options relative to nn.Dropout."""
+    x = torch.randn(1 << 20, requires_grad=True)
+    layers = {
+        "nn": nn.Dropout(0.1),
+        "save": scopedckpt.Dropout(0.1),
+        "regen": scopedckpt.Dropout(0.1, save_mask=False),
+    }
+    times: dict[str, list[float]] = {k: [] for k in layers}
+    for _ in range(repeats):
+        for k, layer in layers.items():
+            start = time.perf_counter()
+            layer(x).sum().backward()
+            times[k].append(time.perf_counter() - start)
+    base = statistics.median(times["nn"])
+    return {k: statistics.median(v) / base for k, v in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sweep, under 2 minutes")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    repeats = 5 if args.quick else 15
+    depths = (4, 8) if args.quick else (4, 8, 16, 32)
+    RESULTS.mkdir(exist_ok=True)
+    rows = []
+    for kind in MODELS:
+        for depth in depths:
+            rows.append(measure(kind, depth, repeats))
+            print(f"measured {kind} depth {depth}", file=sys.stderr)
+    rss = {}
+    for kind in MODELS:
+        depth = depths[-1]
+        rss[kind] = {c: peak_rss_mib(kind, depth, c) for c in CONFIGS}
+    per_element = dropout_bytes_per_element()
+    dropout_ratio = dropout_step_ratio(repeats * 4)
+
+    print(
+        f"\n{'model':<12}{'depth':>6}{'(c)/(b) time':>14}{'(c)/(a) time':>14}{'(d)/(a) time':>14}"
+        f"{'saved MiB a':>13}{'b':>8}{'c':>8}{'d':>8}"
+    )
+    for r in rows:
+        s = r["saved_bytes"]
+        print(
+            f"{r['model']:<12}{r['depth']:>6}{r['c/b']:>14.3f}{r['c/a']:>14.3f}{r['d/a']:>14.3f}"
+            f"{s['a'] / 2**20:>13.2f}{s['b'] / 2**20:>8.2f}{s['c'] / 2**20:>8.2f}{s['d'] / 2**20:>8.2f}"
+        )
+    print(
+        f"\npeak RSS a step adds at depth {depths[-1]} (MiB above the RSS before it, own subprocess):"
+    )
+    for kind, values in rss.items():
+        print(f"  {kind:<12}" + "  ".join(f"{NAMES[c]}: {v:.0f}" for c, v in values.items()))
+    print("\ndropout alone, bytes kept for backward per element:")
+    for name, value in per_element.items():
+        print(f"  {name:<40}{value:.3f}")
+    print(
+        "dropout alone, forward+backward time relative to nn.Dropout: "
+        + ", ".join(f"{k}: {v:.2f}" for k, v in dropout_ratio.items())
+    )
+    (RESULTS / "results.json").write_text(
+        json.dumps(
+            {
+                "rows": rows,
+                "peak_rss_mib": rss,
+                "dropout_bytes_per_element": per_element,
+                "dropout_time_ratio": dropout_ratio,
+                "quick": args.quick,
+                "torch": torch.__version__,
+            },
+            indent=2,
+        )
+    )
+    plot(rows)
+
+
+def plot(rows: list[dict[str, object]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(MODELS), figsize=(4 * len(MODELS), 7))
+    for col, kind in enumerate(MODELS):
+        mine = [r for r in rows if r["model"] == kind]
+        depths = [r["depth"] for r in mine]
+        for c in CONFIGS:
+            axes[0][col].plot(
+                depths, [r["saved_bytes"][c] / 2**20 for r in mine], "o-", label=NAMES[c]
+            )
+            axes[1][col].plot(depths, [r["median_s"][c] * 1e3 for r in mine], "o-", label=NAMES[c])
+        axes[0][col].set_title(kind)
+        axes[0][col].set_ylabel("saved for backward (MiB)")
+        axes[1][col].set_ylabel("step time (ms, median)")
+        axes[1][col].set_xlabel("blocks")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "results.png", dpi=100)
+
+
+if __name__ == "__main__":
+    main()
