@@ -10,8 +10,8 @@ Configurations, all over the same regions (one per block):
   (c) scopedckpt regions with scoped layers
   (d) scoped layers, no checkpointing
 Prints a table of ratios, writes benchmarks/results/results.json and results.png.
-Times are medians of interleaved repeats (a, b, c, d, a, b, ...) in one process, so
-machine noise hits every configuration alike; peak RSS is measured per configuration in
+Times are medians of interleaved repeats (a, b, c, d, then b, c, d, a, ...) in one
+process, so machine noise hits every configuration alike; peak RSS is measured per configuration in
 its own subprocess.
 """
 
@@ -142,8 +142,10 @@ def measure(kind: str, depth: int, repeats: int) -> dict[str, object]:
     for c in CONFIGS:  # warm-up
         step(*models[c])
     times: dict[str, list[float]] = {c: [] for c in CONFIGS}
-    for _ in range(repeats):
-        for c in CONFIGS:
+    for r in range(repeats):
+        # Rotate the order so that no configuration always follows the same one
+        # (a step after a big one meets a different allocator and cache state).
+        for c in CONFIGS[r % 4 :] + CONFIGS[: r % 4]:
             start = time.perf_counter()
             step(*models[c])
             times[c].append(time.perf_counter() - start)

@@ -139,3 +139,47 @@ def test_sync_batch_norm_still_refuses_cpu() -> None:
         'raise ValueError(\n                    "SyncBatchNorm expected input tensor to be on GPU'
         in inspect.getsource(nn.SyncBatchNorm.forward)
     )
+
+
+def _fsdp_train(rank: int, checkpointed: bool) -> list[torch.Tensor]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    for block in model[:2]:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out: list[torch.Tensor] = []
+    for step in range(STEPS):
+        torch.manual_seed(1000 * step + rank)
+        opt.zero_grad()
+        with scopedckpt.checkpointing(*model[:2], enabled=checkpointed):
+            loss = model(_batch(step, rank)).square().mean()
+        loss.backward()
+        out.extend(p.grad.to_local().clone() for p in model.parameters())
+        opt.step()
+    out.extend(p.detach().to_local().clone() for p in model.parameters())
+    out.extend(b.clone() for b in model.buffers())
+    return out
+
+
+def _fsdp_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    try:
+        results = {ckpt: _fsdp_train(rank, ckpt) for ckpt in (False, True)}
+        torch.save(results, Path(out) / f"fsdp{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_fully_shard_regions_are_exact(tmp_path: Path) -> None:
+    """FSDP2 runs on CPU with gloo in this torch: sharded grads, params, buffers match."""
+    mp.spawn(_fsdp_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        results = torch.load(tmp_path / f"fsdp{rank}.pt", weights_only=False)
+        assert len(results[True]) == len(results[False])
+        for a, b in zip(results[True], results[False]):
+            assert torch.equal(a, b)
+        assert int(results[True][-4]) == STEPS  # first BatchNorm's num_batches_tracked
