@@ -10,9 +10,7 @@ loudly if torch renames or changes it.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,14 +25,28 @@ _SCOPED_DRAW: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
-@contextlib.contextmanager
-def scoped_draws() -> Iterator[None]:
-    """Mark random ops issued by scoped layers as allowed in strict mode."""
-    token = _SCOPED_DRAW.set(True)
-    try:
-        yield
-    finally:
-        _SCOPED_DRAW.reset(token)
+class _ScopedDraws:
+    """Mark random ops issued by scoped layers as allowed in strict mode.
+
+    A plain class rather than ``@contextmanager``: it runs on every dropout
+    call, and a generator-based context manager costs several times more.
+    """
+
+    __slots__ = ("_tokens",)
+
+    def __init__(self) -> None:
+        self._tokens: list[contextvars.Token[bool]] = []
+
+    def __enter__(self) -> None:
+        self._tokens.append(_SCOPED_DRAW.set(True))
+
+    def __exit__(self, *exc: object) -> None:
+        _SCOPED_DRAW.reset(self._tokens.pop())
+
+
+def scoped_draws() -> _ScopedDraws:
+    """A context manager under which strict mode lets random ops through."""
+    return _ScopedDraws()
 
 
 class _UnscopedRandomDetector(TorchDispatchMode):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,24 @@ _ALPHA = 1.7580993408473766
 _SEED_HIGH = 2**62
 
 
+_GENERATORS = threading.local()
+
+
+def _mask_generator(device: torch.device) -> torch.Generator:
+    """This thread's reusable generator for ``device``; callers reseed it.
+
+    Building a generator per call cost more than the seeding itself; one per
+    thread keeps concurrent threads (and the autograd worker) apart.
+    """
+    cache: dict[torch.device, torch.Generator] | None = getattr(_GENERATORS, "cache", None)
+    if cache is None:
+        cache = _GENERATORS.cache = {}
+    generator = cache.get(device)
+    if generator is None:
+        generator = cache[device] = torch.Generator(device=device)
+    return generator
+
+
 @dataclass(frozen=True)
 class _Mask:
     """Everything needed to rebuild one call's mask and its scaling."""
@@ -59,7 +78,7 @@ class _Mask:
         sequential Mersenne Twister pass either way, so the bits do not depend
         on the number of threads) and resolve ``p`` to 2**-24.
         """
-        generator = torch.Generator(device=self.device)
+        generator = _mask_generator(self.device)
         generator.manual_seed(self.seed)
         with scoped_draws():
             uniform = torch.rand(self.shape, generator=generator, device=self.device)
