@@ -32,20 +32,17 @@ class _ScopedDraws:
     call, and a generator-based context manager costs several times more.
     """
 
-    __slots__ = ("_tokens",)
-
-    def __init__(self) -> None:
-        self._tokens: list[contextvars.Token[bool]] = []
+    __slots__ = ("_token",)
 
     def __enter__(self) -> None:
-        self._tokens.append(_SCOPED_DRAW.set(True))
+        self._token = _SCOPED_DRAW.set(True)
 
     def __exit__(self, *exc: object) -> None:
-        _SCOPED_DRAW.reset(self._tokens.pop())
+        _SCOPED_DRAW.reset(self._token)
 
 
 def scoped_draws() -> _ScopedDraws:
-    """A context manager under which strict mode lets random ops through."""
+    """A fresh (single-use) context manager under which strict mode lets random ops through."""
     return _ScopedDraws()
 
 

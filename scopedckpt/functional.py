@@ -84,33 +84,31 @@ class _Mask:
             uniform = torch.rand(self.shape, generator=generator, device=self.device)
             return uniform < 1.0 - self.p
 
-    def noise(self, bits: Tensor, dtype: torch.dtype) -> Tensor:
-        """The multiplicative noise: the mask as ``dtype``, scaled.
-
-        Converting first is much faster than multiplying by a bool tensor,
-        which takes a slow mixed-dtype path on CPU.
-        """
+    def _scale(self) -> float:
+        """What kept elements are multiplied by (ATen's ``a`` for alpha dropout)."""
         if not self.alpha:
-            return bits.to(dtype).mul_(1.0 / (1.0 - self.p))
-        return bits.to(dtype).mul_(self._alpha_a())
-
-    def _alpha_a(self) -> float:
+            return 1.0 / (1.0 - self.p)
         return 1.0 / math.sqrt((_ALPHA * _ALPHA * self.p + 1) * (1 - self.p))
 
     def apply(self, x: Tensor, bits: Tensor, inplace: bool = False) -> Tensor:
-        """``x`` times the noise (plus the shift for alpha dropout)."""
-        noise = self.noise(bits, x.dtype)
-        out = x.mul_(noise) if inplace else x * noise
+        """``x`` times the noise (plus the shift for alpha dropout).
+
+        The mask is converted to ``x``'s dtype first: multiplying by a bool
+        tensor takes a much slower mixed-dtype path on CPU.
+        """
+        unit = bits.to(x.dtype)
+        shift = None
         if self.alpha:
-            a = self._alpha_a()
             # ATen's shift: (mask - 1) * alpha * a + alpha * a * p
-            shift = bits.to(x.dtype).sub_(1).mul_(_ALPHA * a).add_(_ALPHA * a * self.p)
-            out = out.add_(shift)
-        return out
+            a = self._scale()
+            shift = unit.sub(1).mul_(_ALPHA * a).add_(_ALPHA * a * self.p)
+        noise = unit.mul_(self._scale())
+        out = x.mul_(noise) if inplace else x * noise
+        return out if shift is None else out.add_(shift)
 
     def grad(self, grad: Tensor, bits: Tensor) -> Tensor:
-        """The input gradient: ``grad`` times the same noise."""
-        return grad * self.noise(bits, grad.dtype)
+        """The input gradient: ``grad`` times the same noise as :meth:`apply`."""
+        return grad * bits.to(grad.dtype).mul_(self._scale())
 
 
 class _MaskedDropout(torch.autograd.Function):
@@ -220,18 +218,36 @@ def _feature(
 Impl = Callable[[Tensor, float, bool, bool, "torch.Generator | None", bool, object], Tensor]
 
 
-def _impl_dropout(
-    input: Tensor,
-    p: float,
-    training: bool,
-    inplace: bool,
-    generator: torch.Generator | None,
-    save_mask: bool,
-    owner: object,
-) -> Tensor:
-    return _dropout(
-        input, p, training, inplace, generator, save_mask, feature=False, alpha=False, owner=owner
-    )
+def _elementwise(*, feature: bool, alpha: bool) -> Impl:
+    """The implementation of a dropout that needs no shape handling."""
+
+    def impl(
+        input: Tensor,
+        p: float,
+        training: bool,
+        inplace: bool,
+        generator: torch.Generator | None,
+        save_mask: bool,
+        owner: object,
+    ) -> Tensor:
+        return _dropout(
+            input,
+            p,
+            training,
+            inplace,
+            generator,
+            save_mask,
+            feature=feature,
+            alpha=alpha,
+            owner=owner,
+        )
+
+    return impl
+
+
+_impl_dropout = _elementwise(feature=False, alpha=False)
+_impl_alpha_dropout = _elementwise(feature=False, alpha=True)
+_impl_feature_alpha_dropout = _elementwise(feature=True, alpha=True)
 
 
 def _impl_dropout1d(
@@ -305,34 +321,6 @@ def _impl_dropout3d(
         owner,
         batched=input.dim() == 5,
         alpha=False,
-    )
-
-
-def _impl_alpha_dropout(
-    input: Tensor,
-    p: float,
-    training: bool,
-    inplace: bool,
-    generator: torch.Generator | None,
-    save_mask: bool,
-    owner: object,
-) -> Tensor:
-    return _dropout(
-        input, p, training, inplace, generator, save_mask, feature=False, alpha=True, owner=owner
-    )
-
-
-def _impl_feature_alpha_dropout(
-    input: Tensor,
-    p: float,
-    training: bool,
-    inplace: bool,
-    generator: torch.Generator | None,
-    save_mask: bool,
-    owner: object,
-) -> Tensor:
-    return _dropout(
-        input, p, training, inplace, generator, save_mask, feature=True, alpha=True, owner=owner
     )
 
 
