@@ -244,3 +244,20 @@ def test_functional_dropout_replays_in_regions() -> None:
         return torch.cat([xi.grad.flatten(), lin.weight.grad.flatten()])
 
     assert torch.equal(run(True), run(False))
+
+
+@pytest.mark.parametrize(("scoped", "torch_cls", "shape"), DROPOUTS)
+@pytest.mark.parametrize("save_mask", [True, False])
+def test_dropout_gradient_is_the_derivative_of_its_forward(
+    scoped: type, torch_cls: type, shape: tuple[int, ...], save_mask: bool
+) -> None:
+    """Exactness compares our backward with itself; gradcheck checks it is right."""
+    layer = scoped(0.4, save_mask=save_mask).double()
+    x = torch.randn((4, 3) + (2,) * (len(shape) - 2), dtype=torch.float64)
+
+    def seeded(t: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(0)  # the same mask at every call gradcheck makes
+        return layer(t)
+
+    # The layer is linear in x for a fixed mask: finite differences are near exact.
+    assert torch.autograd.gradcheck(seeded, (x.requires_grad_(),), atol=1e-8, rtol=1e-7)
