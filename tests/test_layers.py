@@ -6,6 +6,7 @@ import copy
 import io
 import pickle
 import re
+import threading
 import warnings
 
 import pytest
@@ -261,3 +262,205 @@ def test_dropout_gradient_is_the_derivative_of_its_forward(
 
     # The layer is linear in x for a fixed mask: finite differences are near exact.
     assert torch.autograd.gradcheck(seeded, (x.requires_grad_(),), atol=1e-8, rtol=1e-7)
+
+
+# --- Seeds: one per call, from the layer's generator or torch's default one ---
+
+_X = torch.ones(64, 64)
+
+
+def test_manual_seed_chooses_the_mask() -> None:
+    torch.manual_seed(1)
+    a = scopedckpt.Dropout(0.5)(_X)
+    torch.manual_seed(2)
+    b = scopedckpt.Dropout(0.5)(_X)
+    torch.manual_seed(1)
+    c = scopedckpt.Dropout(0.5)(_X)
+    assert not torch.equal(a, b)
+    assert torch.equal(a, c)
+
+
+def test_consecutive_calls_draw_new_masks() -> None:
+    torch.manual_seed(0)
+    layer = scopedckpt.Dropout(0.5)
+    first, second = layer(_X), layer(_X)
+    third = scopedckpt.Dropout(0.5)(_X)
+    assert not torch.equal(first, second)
+    assert not torch.equal(second, third)
+    assert not torch.equal(first, third)
+
+
+def test_a_call_draws_from_the_default_generator_only_in_training() -> None:
+    layer = scopedckpt.Dropout(0.5)
+    state = torch.get_rng_state()
+    layer(_X)
+    assert not torch.equal(torch.get_rng_state(), state)
+    state = torch.get_rng_state()
+    layer.eval()(_X)
+    scopedckpt.Dropout(0.0)(_X)
+    scopedckpt.Dropout(1.0)(_X)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_layer_generator_chooses_the_mask_and_the_global_seed_does_not() -> None:
+    g = torch.Generator().manual_seed(5)
+    layer = scopedckpt.Dropout(0.5, generator=g)
+    torch.manual_seed(0)
+    a = layer(_X)
+    torch.manual_seed(1)  # changes nothing: the seed comes from g
+    global_state = torch.get_rng_state()
+    g.manual_seed(5)
+    assert torch.equal(layer(_X), a)
+    assert torch.equal(torch.get_rng_state(), global_state)  # g was drawn from, not the default
+    assert not torch.equal(layer(_X), a)  # g moved on
+    g.manual_seed(6)
+    assert not torch.equal(layer(_X), a)
+    g.manual_seed(5)
+    assert torch.equal(SF.dropout(_X, 0.5, generator=g), a)  # the functional form agrees
+
+
+# --- Channel dropout: one mask entry per (sample, channel) ---
+
+CHANNEL_DROPOUTS = [
+    (scopedckpt.Dropout1d, (3, 64, 5)),
+    (scopedckpt.Dropout1d, (64, 5)),  # unbatched (C, L)
+    (scopedckpt.Dropout2d, (3, 64, 2, 3)),
+    (scopedckpt.Dropout3d, (3, 64, 2, 2, 2)),
+    (scopedckpt.Dropout3d, (64, 2, 2, 2)),  # unbatched (C, D, H, W)
+    (scopedckpt.FeatureAlphaDropout, (3, 64, 5)),
+    (scopedckpt.FeatureAlphaDropout, (3, 64, 2, 2)),
+]
+
+
+@pytest.mark.parametrize(("cls", "shape"), CHANNEL_DROPOUTS)
+def test_channel_masks_differ_across_channels_and_are_constant_within_one(
+    cls: type, shape: tuple[int, ...]
+) -> None:
+    """64 channels at p=0.5: one mask for all channels of a sample has chance 2**-63."""
+    torch.manual_seed(0)
+    out = cls(0.5)(torch.ones(shape))
+    batched = shape[0] != 64  # the unbatched shapes above start with their 64 channels
+    per_channel = (out if batched else out.unsqueeze(0)).flatten(2)  # (N, C, S)
+    assert torch.equal(per_channel.amin(2), per_channel.amax(2)), "a channel is not constant"
+    values = per_channel[:, :, 0]  # (N, C)
+    for sample in values:
+        assert sample.unique().numel() == 2, "every channel of a sample got the same mask"
+    if values.shape[0] > 1:
+        assert not all(torch.equal(values[0], row) for row in values[1:]), "samples share a mask"
+
+
+# --- Kept values: exactly torch's x * (1 / (1 - p)) ---
+
+_KEPT_P = [0.1, 0.3, 0.5, 0.9]
+_KEPT_DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+# For these p a float32 1/(1-p) rounded from double is 1 ulp off torch's 1.0f/float(1-p).
+_ULP_P = [0.021, 0.123]
+
+
+@pytest.mark.parametrize("dtype", _KEPT_DTYPES, ids=str)
+@pytest.mark.parametrize("p", _KEPT_P + _ULP_P)
+def test_kept_values_and_their_gradient_equal_torchs_bitwise(p: float, dtype: torch.dtype) -> None:
+    """The masks differ (another RNG path); where both keep an element, the bits agree."""
+    torch.manual_seed(0)
+    x = (torch.rand(16384, dtype=torch.float64) + 1).to(dtype)  # no zeros: kept means nonzero
+    ours_in = x.clone().requires_grad_()
+    theirs_in = x.clone().requires_grad_()
+    ours = SF.dropout(ours_in, p)
+    theirs = torch.nn.functional.dropout(theirs_in, p)
+    ours.sum().backward()
+    theirs.sum().backward()
+    both = (ours != 0) & (theirs != 0)
+    assert int(both.sum()) > 50
+    assert torch.equal(ours[both], theirs[both])
+    assert torch.equal(ours_in.grad[both], theirs_in.grad[both])
+
+
+@pytest.mark.parametrize("dtype", _KEPT_DTYPES, ids=str)
+@pytest.mark.parametrize("p", _KEPT_P)
+def test_alpha_dropout_values_equal_torchs_bitwise(p: float, dtype: torch.dtype) -> None:
+    """Kept values are positive here, dropped ones the constant alpha * a * (p - 1) < 0."""
+    torch.manual_seed(0)
+    x = (torch.rand(16384, dtype=torch.float64) + 1).to(dtype)
+    ours = SF.alpha_dropout(x, p, training=True)
+    theirs = torch.nn.functional.alpha_dropout(x, p, training=True)
+    kept = (ours > 0) & (theirs > 0)
+    assert int(kept.sum()) > 50
+    assert torch.equal(ours[kept], theirs[kept])
+    assert torch.equal(ours[ours <= 0].unique(), theirs[theirs <= 0].unique())
+
+
+# --- The per-thread mask generator ---
+
+
+def test_each_thread_gets_its_own_mask_generator() -> None:
+    cpu = torch.device("cpu")
+    mine = SF._mask_generator(cpu)
+    assert SF._mask_generator(cpu) is mine
+    seen: list[tuple[torch.Generator, torch.Generator]] = []
+
+    def worker() -> None:
+        seen.append((SF._mask_generator(cpu), SF._mask_generator(cpu)))
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (a1, b1), (a2, b2) = seen  # the objects are kept alive: `is` cannot see a reused id
+    assert a1 is b1 and a2 is b2
+    assert a1 is not mine and a2 is not mine and a1 is not a2
+
+
+def test_concurrent_dropout_calls_give_the_sequential_masks() -> None:
+    def masks(seed: int) -> list[torch.Tensor]:
+        layer = scopedckpt.Dropout(0.5, generator=torch.Generator().manual_seed(seed))
+        return [layer(_X) for _ in range(50)]
+
+    expected = {seed: masks(seed) for seed in (1, 2)}
+    results: dict[int, list[torch.Tensor]] = {}
+    barrier = threading.Barrier(2)
+
+    def worker(seed: int) -> None:
+        barrier.wait()
+        results[seed] = masks(seed)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for seed in (1, 2):
+        assert all(torch.equal(a, b) for a, b in zip(results[seed], expected[seed]))
+
+
+# --- Batch norm replays the mode of the first forward, not the current one ---
+
+
+def _bn_grads(
+    checkpointed: bool, cls: type, shape: tuple[int, ...], first_train: bool
+) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    weights = {2: nn.Linear(3, 3), 3: nn.Conv1d(3, 3, 1), 4: nn.Conv2d(3, 3, 1)}
+    weights[5] = nn.Conv3d(3, 3, 1)
+    model = nn.Sequential(weights[len(shape)], cls(3), nn.Tanh())
+    for _ in range(2):  # make the running statistics differ from the batch ones
+        model(torch.randn(shape) * 3 + 1)
+    model.train(first_train)
+    x = torch.randn(shape, requires_grad=True)
+    with scopedckpt.checkpointing(model, enabled=checkpointed):
+        out = model(x)
+    model.train(not first_train)  # switched between forward and backward
+    (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+    return [out, x.grad, *(p.grad for p in model.parameters()), *model.buffers()]
+
+
+@pytest.mark.parametrize(("cls", "torch_cls", "shape"), BATCH_NORMS)
+@pytest.mark.parametrize("first_train", [True, False], ids=["train_then_eval", "eval_then_train"])
+def test_batch_norm_recompute_uses_the_mode_of_the_first_forward(
+    cls: type, torch_cls: type, shape: tuple[int, ...], first_train: bool
+) -> None:
+    expected = _bn_grads(False, cls, shape, first_train)
+    actual = _bn_grads(True, cls, shape, first_train)
+    assert len(actual) == len(expected)
+    for a, b in zip(actual, expected):
+        assert torch.equal(a, b)

@@ -24,27 +24,54 @@ def test_the_documented_example_runs_as_written() -> None:
     namespace["test_no_unscoped_randomness"]()  # type: ignore[operator]
 
 
-class ForgetfulBatchNorm(nn.BatchNorm1d):
-    """A user layer that is not scoped: it updates its stats in the recompute too."""
+class RecomputeCounter(nn.Module):
+    """A user layer that changes a buffer in the recompute only: no guard can undo that."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("recomputes", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if scopedckpt.is_recomputing():
+            self.recomputes += 1
+        return x.tanh()
 
 
 def test_mismatch_names_the_first_differing_tensor() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), ForgetfulBatchNorm(4))
+    model = nn.Sequential(nn.Linear(4, 4), RecomputeCounter())
     with pytest.raises(
         AssertionError,
         match=re.escape(
-            "scopedckpt: step 0: buffer '1.running_mean' differs between the checkpointed and the "
-            "plain run: max abs diff"
+            "scopedckpt: step 0: buffer '1.recomputes' differs between the checkpointed and the "
+            "plain run: max abs diff 1 at index () (checkpointed 1.0 vs plain 0.0); 1 of 1 "
+            "elements differ."
         ),
     ):
         assert_checkpoint_equivalent(model, torch.randn(5, 4))
 
 
-def test_unscoped_dropout_is_caught() -> None:
+class PrivateNoise(nn.Module):
+    """Unscoped randomness from its own generator: neither scoped nor replayable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (torch.rand(x.shape, generator=self.generator) < 0.5)
+
+
+def test_unscoped_randomness_from_a_private_generator_is_caught() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
-    with pytest.raises(AssertionError, match="differs between the checkpointed and the plain run"):
+    model = nn.Sequential(nn.Linear(4, 4), PrivateNoise())
+    with pytest.raises(
+        AssertionError,
+        match=re.escape(
+            "scopedckpt: step 0: gradient of parameter '0.weight' differs between the "
+            "checkpointed and the plain run: max abs diff "
+        ),
+    ):
         assert_checkpoint_equivalent(model, torch.randn(5, 4), targets=[model])
 
 
@@ -77,3 +104,36 @@ def test_bad_arguments_are_rejected() -> None:
         assert_checkpoint_equivalent(model, torch.ones(2, 2), targets=[nn.Linear(2, 2)])
     with pytest.raises(ValueError, match="default_loss found no floating-point tensor"):
         default_loss(torch.ones(2, dtype=torch.long))
+
+
+class NudgedInRecompute(nn.Module):
+    """A user layer whose recompute is off by one part in 2**20: far inside allclose."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1 + 2**-20 if scopedckpt.is_recomputing() else 1.0
+        return (x * scale).square()
+
+
+def test_a_recompute_off_by_one_part_in_a_million_is_reported() -> None:
+    """The comparison is bitwise: a relative error of 2**-20 must not pass as equal."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), NudgedInRecompute())
+    with pytest.raises(
+        AssertionError,
+        match=re.escape(
+            "scopedckpt: step 0: gradient of parameter '0.weight' differs between the "
+            "checkpointed and the plain run: max abs diff "
+        ),
+    ):
+        assert_checkpoint_equivalent(model, torch.randn(5, 4))
+
+
+def test_an_exact_user_layer_passes() -> None:
+    """The control for the test above: without the nudge the same model is exact."""
+
+    class Square(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x * 1.0).square()
+
+    torch.manual_seed(0)
+    assert_checkpoint_equivalent(nn.Sequential(nn.Linear(4, 4), Square()), torch.randn(5, 4))

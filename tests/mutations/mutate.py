@@ -1,0 +1,451 @@
+"""Mutation check: every realistic bug listed here must turn the test suite red.
+
+Run by hand from anywhere in the repository (it is not a test module; pytest
+only imports it for doctests, so nothing runs at import)::
+
+    python tests/mutations/mutate.py                    # every mutant, its own test files
+    python tests/mutations/mutate.py --only frame_take_ignores_owner
+    python tests/mutations/mutate.py --tests tests/test_layers.py
+    python tests/mutations/mutate.py --full             # the whole suite for every mutant
+                                                        # (less tests/test_packaging.py)
+    python tests/mutations/mutate.py --list
+
+For each mutant the working tree (tracked files plus untracked files git does
+not ignore, as they are on disk now: the working tree itself is never
+changed) is copied into a temporary directory, one exact snippet of the
+package is replaced, and ``python -m pytest -x -q -p no:cacheprovider`` runs
+in the copy with the ``ci`` Hypothesis profile and ``PYTHONPATH`` set to the
+copy (checked: ``scopedckpt.__file__`` must resolve inside it, not to the
+editable install). An unmutated copy runs the same tests first, so a "killed"
+cannot come from a test that fails anyway.
+
+A snippet no longer found in the source stops the run with "anchor not
+found": update the anchor to the current code, keeping the mutant's meaning.
+The exit status is 0 only if every mutant was killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One realistic bug: ``original`` (exactly once in ``path``) becomes ``replacement``."""
+
+    name: str
+    path: str
+    original: str
+    replacement: str
+    tests: tuple[str, ...]  # the test files run by default (``--full``: all of them)
+    why: str
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "frame_take_ignores_owner",
+        "scopedckpt/_state.py",
+        "if record.kind != kind or record.owner_id != owner_id:",
+        "if record.kind != kind:",
+        ("tests/test_state.py", "tests/test_engine.py"),
+        "two dropouts swapping call order in the recompute swap their masks silently",
+    ),
+    Mutant(
+        "compare_with_allclose",
+        "scopedckpt/testing/__init__.py",
+        "if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):",
+        "if a.shape != b.shape or a.dtype != b.dtype or not torch.allclose(a, b):",
+        ("tests/test_testing.py",),
+        "assert_checkpoint_equivalent lets a relative error of 1e-6 pass",
+    ),
+    Mutant(
+        "default_seed_from_fresh_generator",
+        "scopedckpt/functional.py",
+        "return int(torch.randint(0, _SEED_HIGH, (), generator=generator, device=device))",
+        "return int(torch.randint(0, _SEED_HIGH, (), "
+        "generator=generator if generator is not None else torch.Generator(), device=device))",
+        ("tests/test_layers.py",),
+        "without generator= every call gets the same mask; torch.manual_seed stops mattering",
+    ),
+    Mutant(
+        "batch_norm_recompute_reads_current_mode",
+        "scopedckpt/_layers.py",
+        'training, phase = tape_value("batch_norm", self, lambda: self.training)',
+        '_, phase = tape_value("batch_norm", self, lambda: self.training)\n'
+        "        training = self.training",
+        ("tests/test_layers.py",),
+        "model.eval() between forward and backward changes the recompute",
+    ),
+    Mutant(
+        "channel_mask_per_sample",
+        "scopedckpt/functional.py",
+        "shape = tuple(input.shape[:2]) + (1,) * (input.dim() - 2) if feature else",
+        "shape = (input.shape[0], 1) + (1,) * (input.dim() - 2) if feature else",
+        ("tests/test_layers.py",),
+        "channel dropout drops all channels of a sample together",
+    ),
+    Mutant(
+        "mask_generator_shared_by_threads",
+        "scopedckpt/functional.py",
+        "_GENERATORS = threading.local()",
+        '_GENERATORS = type("_SharedByAllThreads", (), {})()',
+        ("tests/test_layers.py", "tests/test_concurrency.py"),
+        "two threads reseed and draw from one mask generator",
+    ),
+    Mutant(
+        "dropout_scale_off_by_1e-6",
+        "scopedckpt/functional.py",
+        "unit.div_(1.0 - self.p)",
+        "unit.mul_(1.0 / (1.0 - self.p) + 1e-6)",
+        ("tests/test_layers.py",),
+        "kept elements are scaled by 1/(1-p) + 1e-6, not exactly as torch scales them",
+    ),
+    Mutant(
+        "dropout_scale_rounded_from_double",
+        "scopedckpt/functional.py",
+        "unit.div_(1.0 - self.p)",
+        "unit.mul_(1.0 / (1.0 - self.p))",
+        ("tests/test_layers.py",),
+        "float32 kept values 1 ulp off torch's for about a quarter of all p",
+    ),
+    Mutant(
+        "batch_norm_recompute_updates_running_stats",
+        "scopedckpt/_layers.py",
+        "running_mean = running_mean.clone()\n"
+        "            running_var = None if running_var is None else running_var.clone()",
+        "running_mean = running_mean\n            running_var = running_var",
+        ("tests/test_layers.py", "tests/test_engine.py"),
+        "the recompute updates running_mean/running_var a second time",
+    ),
+    Mutant(
+        "recompute_decides_again",
+        "scopedckpt/_state.py",
+        "return frame.take(kind, id(owner), owner).value, Phase.RECOMPUTE",
+        "frame.take(kind, id(owner), owner)\n        return decide(), Phase.RECOMPUTE",
+        ("tests/test_engine.py", "tests/test_layers.py"),
+        "the recompute draws a new dropout seed (and reads the current mode) instead of replaying",
+    ),
+    Mutant(
+        "nested_region_replays_a_fresh_tape",
+        "scopedckpt/_engine.py",
+        "tape = parent.take(_REGION, owner_id, label).value",
+        "parent.take(_REGION, owner_id, label)\n        tape = Tape()",
+        ("tests/test_engine.py", "tests/test_exactness.py"),
+        "a nested region recomputed inside its parent forgets its first forward",
+    ),
+    # The real-models mechanisms (NOTE [ RNG replay ], NOTE [ buffer guard ], the drop-in).
+    Mutant(
+        "rng_stash_not_applied",
+        "scopedckpt/_engine.py",
+        "                self._tape.rng.apply()",
+        "                pass",
+        ("tests/test_rng.py", "tests/test_exactness.py"),
+        "recomputes draw unscoped random numbers from wherever the stream is",
+    ),
+    Mutant(
+        "scoped_draw_not_realigned",
+        "scopedckpt/functional.py",
+        "        _redraw(seed, owner)",
+        "        pass",
+        ("tests/test_rng.py",),
+        "an unscoped draw after a scoped dropout sees a stream shifted by one seed",
+    ),
+    Mutant(
+        "guard_does_not_swap",
+        "scopedckpt/_guard.py",
+        "module_buffers(module)[name] = before.clone()",
+        "pass",
+        ("tests/test_guard.py", "tests/test_exactness.py"),
+        "a recompute updates unconverted batch norms and counters a second time",
+    ),
+    Mutant(
+        "guard_swaps_without_a_copy",
+        "scopedckpt/_guard.py",
+        "module_buffers(module)[name] = before.clone()",
+        "module_buffers(module)[name] = before",
+        ("tests/test_guard.py",),
+        "the first recompute overwrites the recorded state a second recompute needs",
+    ),
+    Mutant(
+        "guard_keeps_the_recompute_state",
+        "scopedckpt/_guard.py",
+        "        module_buffers(entry.module)[name] = real",
+        "        pass",
+        ("tests/test_guard.py",),
+        "after a recompute the module keeps the copies as its buffers",
+    ),
+    Mutant(
+        "strict_ignores_dropout_p",
+        "scopedckpt/_torch_private.py",
+        "return not any(name in named and named[name] == value for name, value in _NO_DRAW.items())",
+        "return True",
+        ("tests/test_rng.py", "tests/test_torch_private.py"),
+        "strict mode calls SDPA without dropout random (a false positive)",
+    ),
+    Mutant(
+        "patch_passes_through",
+        "scopedckpt/_patch.py",
+        "    return scope if scope.enabled else None",
+        "    return None",
+        ("tests/test_dropin.py",),
+        "torch's checkpoint inside patch_torch_checkpoint stays torch's (batch norm twice)",
+    ),
+    Mutant(
+        "user_context_fn_dropped",
+        "scopedckpt/_engine.py",
+        "    if context_fn is None or context_fn is _torch_private.NOOP_CONTEXT_FN:",
+        "    if True:",
+        ("tests/test_dropin.py",),
+        "checkpoint(context_fn=...) silently ignores the user's contexts",
+    ),
+)
+
+
+@dataclass
+class Result:
+    name: str
+    status: str  # killed / SURVIVED / ERROR
+    first_failure: str
+    seconds: float
+    output: str
+    imported: str  # where the copy's python found scopedckpt
+
+
+def _files() -> list[str]:
+    """Tracked files and untracked ones git does not ignore, that exist on disk now."""
+    listing = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
+    return sorted({f for f in listing.split("\0") if f and (REPO / f).is_file()})
+
+
+def _check_anchors(mutants: Sequence[Mutant]) -> list[str]:
+    problems = []
+    for m in mutants:
+        source = REPO / m.path
+        count = source.read_text().count(m.original) if source.is_file() else 0
+        if count == 0:
+            problems.append(
+                f"{m.name}: anchor not found in {m.path}: {m.original!r}. Update the anchor "
+                "to the current code, keeping the mutant's meaning."
+            )
+        elif count > 1:
+            problems.append(f"{m.name}: anchor found {count} times in {m.path}: {m.original!r}")
+    return problems
+
+
+def _copy_tree(files: Sequence[str], into: Path) -> None:
+    for name in files:
+        target = into / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, target)
+
+
+def _env(copy: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(copy)
+    env["HYPOTHESIS_PROFILE"] = "ci"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def _check_imports_the_copy(copy: Path) -> str:
+    found = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "ignore",
+            "-c",
+            "import scopedckpt, scopedckpt.testing; "
+            "print(scopedckpt.__file__); print(scopedckpt.testing.__file__)",
+        ],
+        cwd=copy,
+        env=_env(copy),
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    for path in found:
+        if not Path(path).resolve().is_relative_to(copy.resolve()):
+            raise SystemExit(
+                f"mutate.py: the copy in {copy} imports scopedckpt from {path}, not from the "
+                "copy: the mutant would not be tested. Check PYTHONPATH and the editable install."
+            )
+    return found[0]
+
+
+_FAILURE = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.M)
+
+
+def _run(
+    name: str,
+    mutant: Mutant | None,
+    files: Sequence[str],
+    tests: Sequence[str],
+    timeout: float,
+    keep: bool,
+) -> Result:
+    start = time.monotonic()
+    copy = Path(tempfile.mkdtemp(prefix=f"scopedckpt-mutant-{name}-"))
+    try:
+        _copy_tree(files, copy)
+        if mutant is not None:
+            source = copy / mutant.path
+            text = source.read_text()
+            if text.count(mutant.original) != 1:  # changed since the anchor check
+                raise SystemExit(f"{mutant.name}: anchor not found in the copy of {mutant.path}")
+            source.write_text(text.replace(mutant.original, mutant.replacement))
+        imported = _check_imports_the_copy(copy)
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+        try:
+            proc = subprocess.run(
+                command,
+                cwd=copy,
+                env=_env(copy),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+            rc, output = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as e:
+            partial = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+            rc, output = -1, f"timed out after {timeout:.0f} s\n{partial}"
+    finally:
+        if keep:
+            print(f"kept {name}: {copy}", file=sys.stderr)
+        else:
+            shutil.rmtree(copy, ignore_errors=True)
+    failure = _FAILURE.search(output)
+    first = failure.group(1) if failure else ""
+    if rc == 0:
+        status = "SURVIVED" if mutant is not None else "passed"
+    elif rc == 1 and first:
+        status = "killed" if mutant is not None else "FAILED"
+    else:  # collection error, usage error, no tests, timeout: not a clean kill
+        status = f"ERROR (rc={rc})"
+        first = first or (output.strip().splitlines() or [""])[-1]
+    return Result(name, status, first, time.monotonic() - start, output, imported)
+
+
+def _table(results: Sequence[Result]) -> str:
+    rows = [("mutant", "result", "first failing test", "s")]
+    rows += [(r.name, r.status, r.first_failure or "-", f"{r.seconds:.0f}") for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only this mutant (repeatable, or comma separated)",
+    )
+    parser.add_argument(
+        "--tests",
+        nargs="+",
+        metavar="PATH",
+        help="test files or node ids for every mutant instead of its own",
+    )
+    parser.add_argument("--full", action="store_true", help="run the whole suite per mutant")
+    parser.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per pytest run")
+    parser.add_argument(
+        "--no-baseline", action="store_true", help="skip the run of the unmutated copy"
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the temporary copies")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="print pytest's output for survivors and errors",
+    )
+    args = parser.parse_args(argv)
+
+    names = {n for item in args.only for n in item.split(",") if n}
+    unknown = names - {m.name for m in MUTANTS}
+    if unknown:
+        parser.error(f"unknown mutant(s) {sorted(unknown)}; see --list")
+    mutants = [m for m in MUTANTS if not names or m.name in names]
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:45} {m.path:32} {m.why}")
+        return 0
+
+    problems = _check_anchors(mutants)
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+        return 2
+
+    def tests_for(m: Mutant | None) -> list[str]:
+        if args.full:
+            # pytest's testpaths (tests/ and the package's doctests), less the wheel build:
+            # it tests packaging, not behaviour, and its pip install inherits PYTHONPATH, so
+            # pip finds the copy's scopedckpt.egg-info (made by that build) and skips it.
+            return ["--ignore=tests/test_packaging.py"]
+        if args.tests:
+            return list(args.tests)
+        if m is None:  # the baseline: every file some selected mutant runs
+            return sorted({t for mutant in mutants for t in mutant.tests})
+        return list(m.tests)
+
+    files = _files()
+    results: list[Result] = []
+    if not args.no_baseline:
+        baseline = _run("baseline", None, files, tests_for(None), args.timeout, args.keep)
+        print(f"the copies import {baseline.imported}", flush=True)
+        print(_table([baseline]), flush=True)
+        if baseline.status != "passed":
+            print(baseline.output[-6000:], file=sys.stderr)
+            print(
+                "mutate.py: the unmutated copy fails: no mutant result would mean anything.",
+                file=sys.stderr,
+            )
+            return 1
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = [
+            pool.submit(_run, m.name, m, files, tests_for(m), args.timeout, args.keep)
+            for m in mutants
+        ]
+        for future in futures:
+            result = future.result()
+            results.append(result)
+            print(f"{result.name}: {result.status} {result.first_failure}", flush=True)
+
+    print()
+    print(_table(results))
+    bad = [r for r in results if r.status != "killed"]
+    if args.verbose:
+        for r in bad:
+            print(f"\n===== {r.name} =====\n{r.output[-6000:]}")
+    if bad:
+        print(f"\n{len(bad)} mutant(s) not killed: {', '.join(r.name for r in bad)}")
+        return 1
+    print(f"\nall {len(results)} mutants killed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
