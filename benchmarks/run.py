@@ -9,6 +9,8 @@ Configurations, all over the same regions (one per block):
   (b) torch.utils.checkpoint(use_reentrant=False, preserve_rng_state=True)
   (c) scopedckpt regions with scoped layers
   (d) scoped layers, no checkpointing
+  (e) scopedckpt regions with scoped layers, preserve_rng_state=False (no RNG stash):
+      (c)/(e) is what replaying unscoped randomness costs the converted fast path
 Prints a table of ratios, writes benchmarks/results/results.json and results.png.
 Times are medians of interleaved repeats (a, b, c, d, then b, c, d, a, ...) in one
 process, so machine noise hits every configuration alike; peak RSS is measured per configuration in
@@ -34,12 +36,13 @@ import scopedckpt
 from scopedckpt._demo import saved_activation_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CONFIGS = ("a", "b", "c", "d")
+CONFIGS = ("a", "b", "c", "d", "e")
 NAMES = {
     "a": "plain nn",
     "b": "torch.utils.checkpoint",
     "c": "scopedckpt",
     "d": "scoped layers, no ckpt",
+    "e": "scopedckpt, no RNG stash",
 }
 
 
@@ -58,6 +61,8 @@ class Blocks(nn.Module):
                 x = tc.checkpoint(block, x, use_reentrant=False, preserve_rng_state=True)
             elif self.mode == "c":
                 x = scopedckpt.checkpoint(block, x)
+            elif self.mode == "e":
+                x = scopedckpt.checkpoint(block, x, preserve_rng_state=False)
             else:
                 x = block(x)
         return self.head(x)
@@ -115,14 +120,14 @@ MODELS: dict[str, Callable[[int], tuple[Blocks, torch.Tensor]]] = {
 def build(kind: str, depth: int, config: str) -> tuple[Blocks, torch.Tensor]:
     torch.manual_seed(0)
     model, x = MODELS[kind](depth)
-    if config in ("c", "d"):
+    if config in ("c", "d", "e"):
         model = scopedckpt.convert(model)
     model.mode = config
     return model, x
 
 
 def step(model: Blocks, x: torch.Tensor) -> None:
-    with scopedckpt.checkpointing(enabled=model.mode == "c"):
+    with scopedckpt.checkpointing(enabled=model.mode in ("c", "e")):
         loss = model(x).square().mean()
     loss.backward()
     for p in model.parameters():
@@ -131,7 +136,7 @@ def step(model: Blocks, x: torch.Tensor) -> None:
 
 def saved_bytes(model: Blocks, x: torch.Tensor) -> int:
     def forward() -> torch.Tensor:
-        with scopedckpt.checkpointing(enabled=model.mode == "c"):
+        with scopedckpt.checkpointing(enabled=model.mode in ("c", "e")):
             return model(x)
 
     return saved_activation_bytes(forward, exclude=model.parameters())
@@ -145,7 +150,8 @@ def measure(kind: str, depth: int, repeats: int) -> dict[str, object]:
     for r in range(repeats):
         # Rotate the order so that no configuration always follows the same one
         # (a step after a big one meets a different allocator and cache state).
-        for c in CONFIGS[r % 4 :] + CONFIGS[: r % 4]:
+        shift = r % len(CONFIGS)
+        for c in CONFIGS[shift:] + CONFIGS[:shift]:
             start = time.perf_counter()
             step(*models[c])
             times[c].append(time.perf_counter() - start)
@@ -159,6 +165,7 @@ def measure(kind: str, depth: int, repeats: int) -> dict[str, object]:
         "c/b": median["c"] / median["b"],
         "c/a": median["c"] / median["a"],
         "d/a": median["d"] / median["a"],
+        "c/e": median["c"] / median["e"],
         "saved c-b per dropout call": (saved["c"] - saved["b"]) / max(1, _dropouts(models["c"][0])),
     }
 
@@ -249,12 +256,14 @@ def main() -> None:
 
     print(
         f"\n{'model':<12}{'depth':>6}{'(c)/(b) time':>14}{'(c)/(a) time':>14}{'(d)/(a) time':>14}"
+        f"{'(c)/(e) time':>14}"
         f"{'saved MiB a':>13}{'b':>8}{'c':>8}{'d':>8}"
     )
     for r in rows:
         s = r["saved_bytes"]
         print(
             f"{r['model']:<12}{r['depth']:>6}{r['c/b']:>14.3f}{r['c/a']:>14.3f}{r['d/a']:>14.3f}"
+            f"{r['c/e']:>14.3f}"
             f"{s['a'] / 2**20:>13.2f}{s['b'] / 2**20:>8.2f}{s['c'] / 2**20:>8.2f}{s['d'] / 2**20:>8.2f}"
         )
     print(

@@ -15,10 +15,20 @@ Example
 >>> loss.backward()
 """
 
-from . import functional
-from ._convert import convert
-from ._engine import checkpoint
+import warnings as _warnings
+
+with _warnings.catch_warnings():
+    # torch warns at import when NumPy is missing ("Failed to initialize NumPy",
+    # torch/csrc/utils/tensor_numpy.cpp). scopedckpt never uses NumPy, so a fresh
+    # environment without it must stay quiet; only this message, only here.
+    _warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch as _torch  # noqa: F401
+
+from . import functional, integrations
+from ._convert import ConvertWarning, convert
+from ._engine import checkpoint, checkpoint_sequential
 from ._errors import ScopedCkptError
+from ._guard import Stateful
 from ._layers import (
     AlphaDropout,
     BatchNorm1d,
@@ -31,7 +41,7 @@ from ._layers import (
     FeatureAlphaDropout,
 )
 from ._scope import checkpointing
-from ._state import Phase, is_recomputing, phase
+from ._state import Phase, is_recomputing, phase, replay
 
 __version__ = "0.1.0"
 
@@ -40,6 +50,7 @@ __all__ = [
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",
+    "ConvertWarning",
     "Dropout",
     "Dropout1d",
     "Dropout2d",
@@ -47,10 +58,14 @@ __all__ = [
     "FeatureAlphaDropout",
     "Phase",
     "ScopedCkptError",
+    "Stateful",
     "checkpoint",
+    "checkpoint_sequential",
     "checkpointing",
     "convert",
     "functional",
+    "integrations",
     "is_recomputing",
     "phase",
+    "replay",
 ]

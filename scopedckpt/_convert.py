@@ -9,7 +9,33 @@ from torch import nn
 
 from . import _layers
 
-__all__ = ["convert"]
+__all__ = ["ConvertWarning", "convert"]
+
+
+class ConvertWarning(UserWarning):
+    """Issued by :func:`scopedckpt.convert` for modules it left unscoped.
+
+    Those modules stay exact inside checkpoint regions through the RNG replay
+    and the buffer guard; the warning names them so that a model is never
+    converted silently only in part. Filter it by class once you have read it:
+    ``warnings.filterwarnings("ignore", category=scopedckpt.ConvertWarning)``.
+
+    Example
+    -------
+    >>> import scopedckpt
+    >>> issubclass(scopedckpt.ConvertWarning, UserWarning)
+    True
+    """
+
+
+# Random layers of timm and torchvision, known by class name so that neither
+# library is imported: they draw with bernoulli_ from the default generator.
+_RANDOM_BY_NAME = {
+    "DropPath": "drop path",
+    "DropBlock2d": "drop block",
+    "DropBlock": "drop block",
+    "StochasticDepth": "stochastic depth",
+}
 
 # Exact torch types only: a user's subclass may override forward, and
 # replacing it would silently drop that code (it is reported instead).
@@ -52,10 +78,16 @@ def convert(module: nn.Module, *, inplace: bool = True) -> nn.Module:
     same tensor objects; buffers, hooks, training mode, device and dtype are
     kept, so the converted model loads the original's ``state_dict`` with
     ``strict=True`` and gives bit-identical outputs in eval mode. Scoped layers
-    are left alone. Subclasses of those torch layers written by users are not
-    replaced (their ``forward`` may differ) and a warning names them; so is
-    ``nn.MultiheadAttention`` with ``dropout > 0``, whose attention dropout is
-    functional inside torch and cannot be replayed.
+    are left alone.
+
+    What it cannot replace it names, in one :class:`ConvertWarning` listing
+    every module path: subclasses of those torch layers (their ``forward`` may
+    differ, e.g. timm's ``BatchNormAct2d``), other layers with running
+    statistics, ``nn.MultiheadAttention`` and Hugging Face / timm attention
+    modules with attention dropout, timm's ``DropPath`` and ``DropBlock2d`` and
+    torchvision's ``StochasticDepth`` (known by class name; neither library is
+    imported). These stay exact inside regions through the RNG replay and the
+    buffer guard, only slower than scoped layers.
 
     Parameters
     ----------
@@ -75,6 +107,12 @@ def convert(module: nn.Module, *, inplace: bool = True) -> nn.Module:
     TypeError
         If ``module`` is not an ``nn.Module``.
 
+    Warns
+    -----
+    ConvertWarning
+        Naming every module left unscoped that draws random numbers or
+        updates buffers, and why.
+
     Example
     -------
     >>> import torch, scopedckpt
@@ -92,43 +130,65 @@ def convert(module: nn.Module, *, inplace: bool = True) -> nn.Module:
         )
     if not inplace:
         module = copy.deepcopy(module)
-    skipped: list[str] = []
-    attention: list[str] = []
-    converted = _convert(module, "", skipped, attention)
-    if skipped:
+    unscoped: list[str] = []
+    converted = _convert(module, "", unscoped)
+    if unscoped:
         warnings.warn(
-            "scopedckpt: convert left these subclasses of torch dropout/batch-norm layers "
-            f"unchanged, since their forward may differ from torch's: {', '.join(skipped)}. "
-            "Make them subclass the scoped layers (e.g. scopedckpt.Dropout) to replay them "
-            "exactly in checkpoint recomputes.",
-            stacklevel=2,
-        )
-    if attention:
-        warnings.warn(
-            "scopedckpt: nn.MultiheadAttention applies its attention dropout functionally "
-            f"inside torch, which cannot be replayed: {', '.join(attention)}. Set their "
-            "dropout to 0.0 (e.g. layer.self_attn.dropout = 0.0) or keep them outside "
-            "checkpoint regions to keep training exact.",
+            "scopedckpt: convert left these modules unscoped: "
+            f"{'; '.join(unscoped)}. Inside checkpoint regions they stay exact through the "
+            "replay of the default generators and the buffer guard (docs/real-models.md), "
+            "which cost a little per region and per call; only scoped layers are exact with "
+            "preserve_rng_state=False and pass checkpointing(strict=True). Make your own "
+            "subclasses subclass the scoped layers (e.g. scopedckpt.BatchNorm2d) to put them "
+            "on the fast path.",
+            ConvertWarning,
             stacklevel=2,
         )
     return converted
 
 
-def _convert(module: nn.Module, name: str, skipped: list[str], attention: list[str]) -> nn.Module:
+def _unscoped_reason(module: nn.Module) -> str | None:
+    """Why ``module`` (not replaced) draws random numbers or changes buffers, if it does."""
+    kind = type(module)
+    if kind.__name__ in _RANDOM_BY_NAME and not kind.__module__.startswith("torch."):
+        return _RANDOM_BY_NAME[kind.__name__]
+    if isinstance(module, _TORCH_TYPES):
+        return "a subclass of a torch layer; its forward may differ from torch's"
+    if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats:
+        return "running statistics"
+    if isinstance(module, nn.MultiheadAttention) and module.dropout > 0:
+        return f"functional attention dropout, p={module.dropout}"
+    if "Attention" in kind.__name__:
+        # Hugging Face and timm attention: F.dropout / sdpa(dropout_p=...) reading
+        # either a float attribute or the p of an nn.Dropout child.
+        rates = [
+            float(value)
+            for name, value in vars(module).items()
+            if "drop" in name and isinstance(value, float)
+        ]
+        rates += [
+            child.p
+            for child in module.children()
+            if isinstance(child, nn.modules.dropout._DropoutNd)
+        ]
+        if any(rate > 0 for rate in rates):
+            return f"attention dropout applied functionally, p={max(rates)}"
+    return None
+
+
+def _convert(module: nn.Module, name: str, unscoped: list[str]) -> nn.Module:
     label = name or "<root>"
     result = module
     if isinstance(module, _SCOPED_TYPES):
         pass
     elif type(module) in _SCOPED:
         result = _scoped_copy(module, _SCOPED[type(module)])
-    elif isinstance(module, _TORCH_TYPES):
-        skipped.append(f"{label} ({type(module).__qualname__})")
-    elif isinstance(module, nn.MultiheadAttention) and module.dropout > 0:
-        attention.append(f"{label} (dropout={module.dropout})")
+    else:
+        reason = _unscoped_reason(module)
+        if reason is not None:
+            unscoped.append(f"{label} ({type(module).__qualname__}: {reason})")
     for child_name, child in list(result.named_children()):
-        new_child = _convert(
-            child, f"{name}.{child_name}" if name else child_name, skipped, attention
-        )
+        new_child = _convert(child, f"{name}.{child_name}" if name else child_name, unscoped)
         if new_child is not child:
             setattr(result, child_name, new_child)
     return result

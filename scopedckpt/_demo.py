@@ -80,7 +80,7 @@ def main(depth: int = 8, width: int = 256, batch: int = 512) -> None:
             out["loss"] = h.square().mean()
             return out["loss"]
 
-        with checkpointing(enabled=how == "scopedckpt"):
+        with checkpointing(enabled=how.endswith("scopedckpt")):
             saved = saved_activation_bytes(forward, exclude=model.parameters())
         out["loss"].backward()
         grads = [g for g in (xi.grad, *(p.grad for p in model.parameters())) if g is not None]
@@ -93,6 +93,7 @@ def main(depth: int = 8, width: int = 256, batch: int = 512) -> None:
         ("plain nn, no checkpointing", plain, plain),
         ("torch.utils.checkpoint, RNG stash", step("torch, RNG stash"), plain),
         ("torch.utils.checkpoint, no RNG stash", step("torch, no RNG stash"), plain),
+        ("plain nn in scopedckpt (not converted)", step("plain nn in scopedckpt"), plain),
         ("scoped layers, no checkpointing", scoped, scoped),
         ("scopedckpt", step("scopedckpt"), scoped),
     ]
@@ -115,6 +116,6 @@ def main(depth: int = 8, width: int = 256, batch: int = 512) -> None:
     print(
         "\ngrads and BN buffers: compared with the same layers run without checkpointing.\n"
         f"scopedckpt keeps {runs[-1][1][2] / scoped[2]:.0%} of the activation memory and matches "
-        "bit for bit; torch.utils.checkpoint updates batch norm twice and, without its RNG "
-        "stash, replays dropout with new masks."
+        "bit for bit, converted or not; torch.utils.checkpoint updates batch norm twice and, "
+        "without its RNG stash, replays dropout with new masks."
     )

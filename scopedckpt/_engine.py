@@ -2,26 +2,31 @@
 
 A region is ``torch.utils.checkpoint.checkpoint(use_reentrant=False,
 context_fn=...)`` whose forward context records the region's tape and whose
-recompute context replays it (see NOTE [ tape ] in ``_state.py``).
+recompute context replays it (see NOTE [ tape ] in ``_state.py``): scoped
+layers' records, the default generators' states (NOTE [ RNG replay ] in
+``_rng.py``) and the buffers of modules called in it (NOTE [ buffer guard ] in
+``_guard.py``).
 """
 
 from __future__ import annotations
 
 import contextvars
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from . import _torch_private
-from ._state import FRAME, SCOPE, Frame, Phase, Record, Scope, Tape
+from . import _guard, _rng, _torch_private
+from ._errors import ScopedCkptError
+from ._state import FRAME, SCOPE, Frame, Phase, Record, Scope, Tape, describe, module_path
 
-__all__ = ["checkpoint"]
+__all__ = ["checkpoint", "checkpoint_sequential"]
 
 R = TypeVar("R")
+ContextFn = Callable[[], tuple[Any, Any]]
 
 _REGION = "region"
 
@@ -44,26 +49,46 @@ class _EnterFrame:
     context at every recompute (``retain_graph=True``, ``autograd.grad`` then
     ``backward``), possibly on another thread, so each ``__enter__`` pushes its
     own tokens and builds its own frame (cursor 0) on the shared tape.
+
+    ``rewind``: a backward recompute puts the generators' states it found back
+    on exit; a nested region replayed inside its parent's recompute does not,
+    since the parent's later draws continue from it (NOTE [ RNG replay ]).
     """
 
-    def __init__(self, phase: Phase, tape: Tape, scope: Scope, owner: object | None) -> None:
+    def __init__(
+        self, phase: Phase, tape: Tape, scope: Scope, owner: object | None, *, rewind: bool
+    ) -> None:
         self._phase = phase
         self._tape = tape
         self._scope = scope
         self._owner = owner
-        self._tokens: list[
-            tuple[contextvars.Token[Scope | None], contextvars.Token[Frame | None], Any]
+        self._rewind = rewind
+        self._entries: list[
+            tuple[
+                contextvars.Token[Scope | None],
+                contextvars.Token[Frame | None],
+                Frame,
+                Any,
+                _rng.RngStash | None,
+            ]
         ] = []
 
     def __enter__(self) -> None:
         strict_mode = None
+        saved_rng = None
         if self._phase is Phase.FORWARD and self._scope.strict:
             strict_mode = _torch_private.unscoped_random_detector()
             strict_mode.__enter__()
         if self._phase is Phase.RECOMPUTE:
             COUNTERS.recomputes += 1
+            if self._tape.rng is not None:
+                saved_rng = self._tape.rng.current() if self._rewind else None
+                self._tape.rng.apply()
         frame = Frame(self._phase, self._tape, self._scope, self._owner)
-        self._tokens.append((SCOPE.set(self._scope), FRAME.set(frame), strict_mode))
+        _guard.acquire()
+        self._entries.append(
+            (SCOPE.set(self._scope), FRAME.set(frame), frame, strict_mode, saved_rng)
+        )
 
     def __exit__(
         self,
@@ -71,11 +96,113 @@ class _EnterFrame:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        scope_token, frame_token, strict_mode = self._tokens.pop()
-        FRAME.reset(frame_token)
-        SCOPE.reset(scope_token)
-        if strict_mode is not None:
-            strict_mode.__exit__(exc_type, exc, tb)
+        scope_token, frame_token, frame, strict_mode, saved_rng = self._entries.pop()
+        try:
+            _guard.unwind(frame)
+        finally:
+            _guard.release()
+            FRAME.reset(frame_token)
+            SCOPE.reset(scope_token)
+            if saved_rng is not None:
+                saved_rng.apply()
+            if strict_mode is not None:
+                strict_mode.__exit__(exc_type, exc, tb)
+
+
+def _check_no_cache(
+    owner: object | None,
+    label: object,
+    scope: Scope,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    """Refuse a Hugging Face key/value cache: every recompute would append to it again.
+
+    Layers declaring ``_can_checkpoint_with_cache = True`` only read the cache
+    (Hugging Face keeps it for them under its own checkpointing): allowed.
+    """
+    layer = owner if owner is not None else label
+    if getattr(layer, "_can_checkpoint_with_cache", False) is True:
+        return
+    named = [(f"positional argument #{i}", v) for i, v in enumerate(args)]
+    named += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
+    for name, value in named:
+        kind = type(value)
+        if kind.__name__.endswith("Cache") and kind.__module__.startswith("transformers."):
+            if owner is None:
+                where = describe(label)
+            else:
+                where = f"the forward of {module_path(owner, None, scope)}"
+            raise ScopedCkptError(
+                f"scopedckpt: a checkpoint region ({where}) got a Hugging Face "
+                f"{kind.__name__} as {name}. The recompute in backward would "
+                "append this step's keys and values to the cache a second time, and the "
+                "region would see a longer cache than its first forward. Pass "
+                "use_cache=False while training with checkpointing (Hugging Face's own "
+                "gradient checkpointing does the same), or use "
+                "scopedckpt.integrations.huggingface.gradient_checkpointing_enable(model)."
+            )
+
+
+def region_context_fn(
+    fn: Callable[..., Any],
+    owner: object | None,
+    label: object,
+    scope: Scope,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    preserve_rng_state: bool,
+    context_fn: ContextFn | None,
+) -> tuple[Callable[..., Any], ContextFn]:
+    """Set up one region: the ``fn`` and ``context_fn`` to hand to torch's checkpoint.
+
+    Shared by :func:`checkpoint` and by torch's own ``checkpoint`` under
+    ``patch_torch_checkpoint``. A user's ``context_fn`` is entered inside ours.
+    """
+    parent = FRAME.get()
+    _check_no_cache(owner, label, scope, args, kwargs)
+    # A function is no identity: lambdas and bound methods are new objects at
+    # every call, so only module-owned regions check their owner on replay.
+    owner_id = None if owner is None else id(owner)
+    if parent is not None and parent.phase is Phase.RECOMPUTE:
+        # The parent is being recomputed: this nested region already ran once
+        # and its tape is the next record of the parent (NOTE [ tape ]).
+        tape = parent.take(_REGION, owner_id, label).value
+        forward = _EnterFrame(Phase.RECOMPUTE, tape, scope, owner, rewind=False)
+    else:
+        tape = Tape(rng=_rng.stash() if preserve_rng_state else None)
+        if parent is not None:
+            parent.tape.records.append(Record(_REGION, owner_id, label, tape))
+        forward = _EnterFrame(Phase.FORWARD, tape, scope, owner, rewind=False)
+    recompute = _EnterFrame(Phase.RECOMPUTE, tape, scope, owner, rewind=True)
+    if isinstance(owner, torch.nn.Module):
+        # The owner's forward runs inside the region without __call__: guard it here.
+        fn = _guard.guarded_call(owner, fn)
+    for patches in scope.patches:
+        # Keep module targets patched until torch frees this region: its
+        # recompute must find nested targets patched (see _targets.Patches).
+        weakref.finalize(recompute, patches.share().remove)
+    COUNTERS.regions += 1
+    if context_fn is None or context_fn is _torch_private.NOOP_CONTEXT_FN:
+        return fn, lambda: (forward, recompute)
+    user_context_fn = context_fn
+
+    def composed() -> tuple[Any, Any]:
+        user_forward, user_recompute = user_context_fn()
+        return (
+            _torch_private.both(forward, user_forward),
+            _torch_private.both(recompute, user_recompute),
+        )
+
+    return fn, composed
+
+
+# Set while scopedckpt itself calls torch's checkpoint, so that a patched torch
+# (NOTE [ patching torch's checkpoint ] in _patch.py) does not make a region twice.
+OWN_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "scopedckpt_own_call", default=False
+)
 
 
 # NOTE [ torch.compile ]
@@ -91,80 +218,105 @@ def _region(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     *,
-    preserve_rng_state: bool = False,
+    preserve_rng_state: bool = True,
     determinism_check: str = "default",
     early_stop: bool = True,
+    debug: bool = False,
+    context_fn: ContextFn | None = None,
+    scope: Scope | None = None,
+    label: object = None,
 ) -> R:
-    """Run ``fn`` as a region if a scope is active and grad is on, else plainly."""
-    scope = SCOPE.get()
+    """Run ``fn`` as a region if a scope is active and grad is on, else plainly.
+
+    ``scope`` forces a scope where the caller has none (integrations);
+    ``label`` names the region in errors when it is not ``owner`` or ``fn``.
+    """
+    if scope is None:
+        scope = SCOPE.get()
     if scope is None or not scope.enabled or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    parent = FRAME.get()
-    label = owner if owner is not None else fn
-    # A function is no identity: lambdas and bound methods are new objects at
-    # every call, so only module-owned regions check their owner on replay.
-    owner_id = None if owner is None else id(owner)
-    if parent is not None and parent.phase is Phase.RECOMPUTE:
-        # The parent is being recomputed: this nested region already ran once
-        # and its tape is the next record of the parent (NOTE [ tape ]).
-        tape = parent.take(_REGION, owner_id, label).value
-        forward = _EnterFrame(Phase.RECOMPUTE, tape, scope, owner)
-    else:
-        tape = Tape()
-        if parent is not None:
-            parent.tape.records.append(Record(_REGION, owner_id, label, tape))
-        forward = _EnterFrame(Phase.FORWARD, tape, scope, owner)
-    recompute = _EnterFrame(Phase.RECOMPUTE, tape, scope, owner)
-    for patches in scope.patches:
-        # Keep module targets patched until torch frees this region: its
-        # recompute must find nested targets patched (see _targets.Patches).
-        weakref.finalize(recompute, patches.share().remove)
-    COUNTERS.regions += 1
-    return torch_checkpoint.checkpoint(
+    if label is None:
+        label = owner if owner is not None else fn
+    fn, contexts = region_context_fn(
         fn,
-        *args,
-        use_reentrant=False,
-        context_fn=lambda: (forward, recompute),
+        owner,
+        label,
+        scope,
+        args,
+        kwargs,
         preserve_rng_state=preserve_rng_state,
+        context_fn=context_fn,
+    )
+    options: dict[str, Any] = dict(
+        use_reentrant=False,
+        preserve_rng_state=False,  # we stash more generators ourselves (NOTE [ RNG replay ])
         determinism_check=determinism_check,
         early_stop=early_stop,
-        **kwargs,
     )
+    token = OWN_CALL.set(True)
+    try:
+        if _torch_private.checkpoint_debug_enabled(debug):
+            # torch's debug mode is a context_fn of its own: ours rides along with it.
+            with _torch_private.debug_composed(contexts):
+                return torch_checkpoint.checkpoint(fn, *args, debug=True, **options, **kwargs)
+        return torch_checkpoint.checkpoint(fn, *args, context_fn=contexts, **options, **kwargs)
+    finally:
+        OWN_CALL.reset(token)
 
 
 def checkpoint(
     fn: Callable[..., R],
     *args: Any,
-    preserve_rng_state: bool = False,
+    use_reentrant: bool | None = None,
+    context_fn: ContextFn | None = None,
     determinism_check: str = "default",
+    debug: bool = False,
     early_stop: bool = True,
+    preserve_rng_state: bool = True,
     **kwargs: Any,
 ) -> R:
     """Run ``fn(*args, **kwargs)`` as a checkpoint region inside a scope.
 
     Inside an enabled :func:`checkpointing` scope, with grad enabled, the
-    activations of ``fn`` are not kept for backward; backward recomputes them,
-    and scoped layers inside replay the first forward exactly (same dropout
-    masks, running statistics updated once). Outside a scope, or under
-    ``torch.no_grad()``, it is the plain call ``fn(*args, **kwargs)``, so model
-    code can call it unconditionally and the caller decides by scoping.
+    activations of ``fn`` are not kept for backward; backward recomputes them
+    exactly: scoped layers replay their records, other random ops replay the
+    default generators' stream, and buffers changed in forward are not changed
+    again. Outside a scope, or under ``torch.no_grad()``, it is the plain call
+    ``fn(*args, **kwargs)``, so model code can call it unconditionally and the
+    caller decides by scoping.
+
+    It takes every keyword of ``torch.utils.checkpoint.checkpoint`` with the
+    same meaning; like torch, those named keywords are consumed and every
+    other keyword goes to ``fn``.
 
     Parameters
     ----------
     fn
-        The function or module to run. Its keyword arguments pass through.
+        The function or module to run.
     *args
         Positional arguments of ``fn``.
-    preserve_rng_state
-        Also stash and restore torch's global RNG state around the recompute,
-        as ``torch.utils.checkpoint`` does. Scoped layers never need it; turn it
-        on only for unscoped randomness you cannot move out of the region.
+    use_reentrant
+        ``False`` or unset. Regions are always non-reentrant; ``True`` raises.
+    context_fn
+        A callable returning two context managers (or dispatch modes), as for
+        torch: the first is entered around the first forward, the second
+        around every recompute, inside scopedckpt's own (e.g. torch's
+        ``create_selective_checkpoint_contexts``).
     determinism_check
-        ``"default"`` (torch compares the shapes of recomputed tensors) or
-        ``"none"``; passed to ``torch.utils.checkpoint.checkpoint``.
+        ``"default"`` (torch compares the shapes, dtypes and devices of
+        recomputed tensors) or ``"none"``.
+    debug
+        On a recompute mismatch, torch's error lists the ops of both runs
+        (``torch.utils.checkpoint.set_checkpoint_debug_enabled`` works too).
     early_stop
         Stop the recompute once every needed tensor is recomputed (torch's
-        default). Exactness holds either way.
+        default; ``set_checkpoint_early_stop`` overrides it). Exact either way.
+    preserve_rng_state
+        Replay randomness that no scoped layer draws (``F.dropout``, attention
+        ``dropout_p``, ``bernoulli_``, ``torch.rand``...) exactly, by giving
+        each recompute the default CPU and accelerator generators' states of
+        the first forward (see docs/index.md). ``False`` skips that stash:
+        still exact for scoped layers, wrong for any other random op.
     **kwargs
         Keyword arguments of ``fn``.
 
@@ -178,6 +330,8 @@ def checkpoint(
         If ``fn`` is not callable.
     ValueError
         If ``determinism_check`` is not one torch knows.
+    ScopedCkptError
+        If ``use_reentrant=True``.
 
     Example
     -------
@@ -185,7 +339,7 @@ def checkpoint(
     >>> block = torch.nn.Sequential(torch.nn.Linear(4, 4), scopedckpt.Dropout(0.5))
     >>> x = torch.randn(3, 4, requires_grad=True)
     >>> with scopedckpt.checkpointing():
-    ...     y = scopedckpt.checkpoint(block, x)
+    ...     y = scopedckpt.checkpoint(block, x, use_reentrant=False)
     >>> y.sum().backward()   # recomputes block with the same dropout mask
     >>> x.grad.shape
     torch.Size([3, 4])
@@ -196,6 +350,8 @@ def checkpoint(
             f"nn.Module) as its first argument, but got {type(fn).__name__}. "
             "Call it as scopedckpt.checkpoint(fn, *args, **kwargs)."
         )
+    if use_reentrant:
+        raise ScopedCkptError(REENTRANT_MESSAGE)
     if determinism_check not in _DETERMINISM_CHECKS:
         raise ValueError(
             f"scopedckpt: determinism_check must be one of {_DETERMINISM_CHECKS}, "
@@ -209,7 +365,99 @@ def checkpoint(
         preserve_rng_state=preserve_rng_state,
         determinism_check=determinism_check,
         early_stop=early_stop,
+        debug=debug,
+        context_fn=context_fn,
     )
+
+
+REENTRANT_MESSAGE = (
+    "scopedckpt: checkpoint(use_reentrant=True) cannot be exact. Reentrant checkpointing "
+    "reruns the region in a nested backward through an autograd.Function that takes no "
+    "context_fn, so nothing can replay its random numbers or keep its buffers from being "
+    "updated twice. Pass use_reentrant=False, or leave it unset: scopedckpt regions are "
+    "always non-reentrant, which torch recommends as well."
+)
+
+
+def checkpoint_sequential(
+    functions: torch.nn.Sequential | Sequence[Callable[..., Any]],
+    segments: int,
+    input: Any,
+    *,
+    use_reentrant: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Run a sequence of functions in ``segments`` checkpoint regions, as torch does.
+
+    ``torch.utils.checkpoint.checkpoint_sequential`` with scopedckpt regions:
+    ``functions`` (an ``nn.Sequential`` or a list of callables) is split into
+    ``segments`` chunks of ``len // segments`` functions; every chunk but the
+    last is a region (inside a :func:`checkpointing` scope, with grad
+    enabled), the last runs plainly, like torch's.
+
+    Parameters
+    ----------
+    functions
+        The modules or functions to run in order, each taking one input.
+    segments
+        How many chunks to make.
+    input
+        The input of the first function.
+    use_reentrant
+        ``False`` or unset; ``True`` raises as in :func:`checkpoint`.
+    **kwargs
+        Keywords of :func:`checkpoint` (``preserve_rng_state``,
+        ``determinism_check``, ``debug``, ``early_stop``, ``context_fn``).
+
+    Returns
+    -------
+    The output of the last function.
+
+    Example
+    -------
+    >>> import torch, scopedckpt
+    >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+    >>> x = torch.randn(2, 4, requires_grad=True)
+    >>> with scopedckpt.checkpointing():
+    ...     y = scopedckpt.checkpoint_sequential(model, 2, x, use_reentrant=False)
+    >>> y.sum().backward()
+    """
+    if use_reentrant:
+        raise ScopedCkptError(REENTRANT_MESSAGE)
+    unknown = set(kwargs) - _CHECKPOINT_KEYWORDS
+    if unknown:
+        raise ValueError(
+            f"scopedckpt: checkpoint_sequential got unexpected keyword arguments "
+            f"{sorted(unknown)}; it takes {sorted(_CHECKPOINT_KEYWORDS)}."
+        )
+    if isinstance(functions, torch.nn.Sequential):
+        functions = list(functions.children())
+    if not 0 < segments:
+        raise ValueError(f"scopedckpt: segments must be a positive int, got {segments!r}.")
+
+    def run(start: int, end: int) -> Callable[[Any], Any]:
+        def forward(x: Any) -> Any:
+            for j in range(start, end + 1):
+                x = functions[j](x)
+            return x
+
+        return forward
+
+    size = len(functions) // segments
+    end = -1
+    for start in range(0, size * (segments - 1), size):
+        end = start + size - 1
+        input = checkpoint(run(start, end), input, **kwargs)
+    return run(end + 1, len(functions) - 1)(input)
+
+
+_CHECKPOINT_KEYWORDS = {
+    "context_fn",
+    "debug",
+    "determinism_check",
+    "early_stop",
+    "preserve_rng_state",
+}
 
 
 def current_region_owner() -> object | None:

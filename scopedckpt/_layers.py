@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import functional as SF
+from ._guard import self_guarded
 from ._state import Phase, tape_value
 
 __all__ = [
@@ -192,6 +193,7 @@ class FeatureAlphaDropout(_ScopedDropout, nn.FeatureAlphaDropout):
 class _ScopedBatchNorm(nn.modules.batchnorm._BatchNorm):
     """Shared forward of the scoped batch-norm layers."""
 
+    @self_guarded  # its own recompute path: the buffer guard skips it (NOTE [ buffer guard ])
     @torch.compiler.disable  # see NOTE [ torch.compile ] in _engine.py
     def forward(self, input: Tensor) -> Tensor:
         training, phase = tape_value("batch_norm", self, lambda: self.training)

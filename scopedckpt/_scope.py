@@ -66,7 +66,8 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         ``torch.rand``), naming the op. ``None`` inherits the outer scope's
         setting (off by default). It costs a dispatch hook per op: a debug aid.
     root
-        The model predicates are evaluated against; needed only with them.
+        The model predicates are evaluated against (needed only with them);
+        error messages name modules by their qualified names in it.
 
     Raises
     ------
@@ -151,6 +152,7 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
             classes,
             keep,
             inherited + ((patches,) if patches.holders else ()),
+            self._root if self._root is not None else (parent.root if parent else None),
         )
         self._entries.append((SCOPE.set(scope), patches))
         return self

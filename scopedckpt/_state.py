@@ -26,6 +26,10 @@ Everything that makes a recompute exact lives on a *tape*, one per region.
   autograd worker thread that never saw the forward's context.
 * ``checkpointing(enabled=False)`` only stops *new* regions from starting; a
   frame already active stays, so layers inside keep recording and replaying.
+* Besides the call-ordered records, a tape holds the default generators' states
+  at the region's start (NOTE [ RNG replay ] in ``_rng.py``) and the states of
+  modules whose buffers the first forward changed, keyed by module and call
+  index (NOTE [ buffer guard ] in ``_guard.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from typing import Any, TypeVar
 
 from ._errors import ScopedCkptError
 
-__all__ = ["Phase", "is_recomputing", "phase"]
+__all__ = ["Phase", "is_recomputing", "phase", "replay"]
 
 T = TypeVar("T")
 
@@ -78,6 +82,7 @@ class Scope:
     classes: tuple[type, ...] = ()  # every instance of these is selected
     keep: tuple[Any, ...] = ()  # strong refs so the ids above stay valid
     patches: tuple[Any, ...] = ()  # _targets.Patches of this scope and its parents
+    root: Any = None  # the model module paths in error messages are relative to
 
     def selects(self, module: object) -> bool:
         """Whether ``module``'s forward is a region in this scope."""
@@ -98,9 +103,11 @@ class Record:
 
 @dataclass
 class Tape:
-    """The records of one region, in call order."""
+    """The records of one region, in call order, and what its recomputes restore."""
 
     records: list[Record] = field(default_factory=list)
+    rng: Any = None  # _rng.RngStash, or None when the region does not replay the RNG
+    states: dict[tuple[int, int], Any] = field(default_factory=dict)  # _guard.ModuleState
 
 
 @dataclass
@@ -112,6 +119,8 @@ class Frame:
     scope: Scope
     owner: object | None = None  # the module whose forward this region is
     cursor: int = 0
+    calls: dict[int, int] = field(default_factory=dict)  # guarded module id -> calls so far
+    guards: list[Any] = field(default_factory=list)  # _guard entries of modules running now
 
     def take(self, kind: str, owner_id: int | None, label: object) -> Record:
         """Return the next record in ``RECOMPUTE``, checking it belongs to the owner."""
@@ -151,6 +160,31 @@ def describe(owner: object) -> str:
     details = extra() if callable(extra) else ""
     name = getattr(owner, "__qualname__", None) or type(owner).__name__
     return f"{name}({details})" if details or not callable(owner) else name
+
+
+def module_path(module: object, frame: Frame | None, scope: Scope | None = None) -> str:
+    """Name ``module`` for an error message: its qualified name where one is known.
+
+    Looked up (only when an error is raised) in the scope's ``root``, the
+    region's owner and the scope's module targets, in that order.
+    """
+    from torch import nn
+
+    kind = type(module).__name__
+    roots: list[tuple[str, Any]] = []
+    scope = frame.scope if frame is not None else scope
+    if scope is not None and scope.root is not None:
+        roots.append(("", scope.root))
+    if frame is not None and isinstance(frame.owner, nn.Module):
+        roots.append((type(frame.owner).__name__, frame.owner))
+    if scope is not None:
+        roots.extend((type(m).__name__, m) for m in scope.keep if m is not module)
+    for prefix, root in roots:
+        for name, candidate in root.named_modules():
+            if candidate is module:
+                path = ".".join(p for p in (prefix, name) if p) or "<root>"
+                return f"'{path}' ({kind})"
+    return f"a {kind} module"
 
 
 def tape_value(kind: str, owner: object, decide: Callable[[], T]) -> tuple[T, Phase]:
@@ -212,3 +246,48 @@ def is_recomputing() -> bool:
     False
     """
     return phase() is Phase.RECOMPUTE
+
+
+def replay(owner: object, decide: Callable[[], T]) -> T:
+    """Decide in a region's first forward; get the same value back in every recompute.
+
+    The extension point for your own random or stateful layers: whatever
+    ``decide()`` returns in the first forward of a checkpoint region (a token
+    permutation, a Python-random choice, a step count) is recorded on the
+    region's tape, and each backward recompute gets the recorded value without
+    calling ``decide`` again. Calls are checked like scoped layers' calls: a
+    recompute that calls ``replay`` for another owner, or more often, than the
+    first forward raises :class:`scopedckpt.ScopedCkptError`. Outside regions
+    it just returns ``decide()``.
+
+    Parameters
+    ----------
+    owner
+        The object deciding, usually the layer (``self``): named in errors and
+        checked on replay.
+    decide
+        Called once per first forward (and outside regions at every call).
+
+    Returns
+    -------
+    The value ``decide()`` returned in the region's first forward.
+
+    Example
+    -------
+    A layer that keeps a random subset of tokens, chosen with Python's
+    ``random`` (which no stash rewinds):
+
+    >>> import random, torch, scopedckpt
+    >>> class TokenDrop(torch.nn.Module):
+    ...     def forward(self, x):                       # x: (batch, tokens, dim)
+    ...         n = x.shape[1]
+    ...         keep = scopedckpt.replay(self, lambda: sorted(random.sample(range(n), n // 2)))
+    ...         return x[:, keep]
+    >>> layer, x = TokenDrop(), torch.randn(2, 6, 4, requires_grad=True)
+    >>> with scopedckpt.checkpointing():
+    ...     y = scopedckpt.checkpoint(layer, x)
+    >>> y.square().sum().backward()   # the recompute keeps the same tokens
+    >>> int((x.grad.abs().sum((0, 2)) > 0).sum())
+    3
+    """
+    return tape_value("decision", owner, decide)[0]

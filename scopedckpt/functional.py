@@ -10,6 +10,16 @@ global stream advances exactly as much as in a run without checkpointing.
 For backward the mask is kept as one byte per element (``save_mask=True``,
 the default) or rebuilt from the seed (``save_mask=False``: no memory, one more
 random pass in backward). Both give the same bits.
+
+NOTE [ aligned draws ]
+======================
+A seed drawn from torch's default generator in the first forward is drawn
+again in every recompute of a region that replays the RNG (NOTE [ RNG replay ]
+in ``_rng.py``), and checked against the recorded seed, which is the one used.
+Without that draw, every unscoped random op after a scoped dropout in the same
+region (timm's ``proj_drop`` then ``drop_path``) would see a stream shifted by
+one draw in the recompute. A seed from a user's ``generator=`` is not drawn
+again: that generator is not rewound, and unscoped ops do not share it.
 """
 
 from __future__ import annotations
@@ -25,7 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._state import tape_value
+from ._errors import ScopedCkptError
+from ._state import FRAME, Phase, describe, tape_value
 from ._torch_private import scoped_draws
 
 __all__ = [
@@ -84,11 +95,19 @@ class _Mask:
             uniform = torch.rand(self.shape, generator=generator, device=self.device)
             return uniform < 1.0 - self.p
 
-    def _scale(self) -> float:
-        """What kept elements are multiplied by (ATen's ``a`` for alpha dropout)."""
-        if not self.alpha:
-            return 1.0 / (1.0 - self.p)
+    def _alpha_scale(self) -> float:
+        """What alpha dropout multiplies kept elements by: ATen's ``a``."""
         return 1.0 / math.sqrt((_ALPHA * _ALPHA * self.p + 1) * (1 - self.p))
+
+    def _noise(self, unit: Tensor) -> Tensor:
+        """The mask scaled, in place, with ATen's own arithmetic (``_dropout_impl``).
+
+        Plain dropout divides by ``1 - p`` in the tensor's dtype (``1.0f /
+        float(1 - p)`` for float32) rather than multiplying by a rounded
+        ``1 / (1 - p)``: the two differ by an ulp for about a quarter of all p,
+        and kept values must be torch's bit for bit.
+        """
+        return unit.mul_(self._alpha_scale()) if self.alpha else unit.div_(1.0 - self.p)
 
     def apply(self, x: Tensor, bits: Tensor, inplace: bool = False) -> Tensor:
         """``x`` times the noise (plus the shift for alpha dropout).
@@ -100,15 +119,15 @@ class _Mask:
         shift = None
         if self.alpha:
             # ATen's shift: (mask - 1) * alpha * a + alpha * a * p
-            a = self._scale()
+            a = self._alpha_scale()
             shift = unit.sub(1).mul_(_ALPHA * a).add_(_ALPHA * a * self.p)
-        noise = unit.mul_(self._scale())
+        noise = self._noise(unit)
         out = x.mul_(noise) if inplace else x * noise
         return out if shift is None else out.add_(shift)
 
     def grad(self, grad: Tensor, bits: Tensor) -> Tensor:
         """The input gradient: ``grad`` times the same noise as :meth:`apply`."""
-        return grad * bits.to(grad.dtype).mul_(self._scale())
+        return grad * self._noise(bits.to(grad.dtype))
 
 
 class _MaskedDropout(torch.autograd.Function):
@@ -152,6 +171,23 @@ def _draw_seed(generator: torch.Generator | None) -> int:
         return int(torch.randint(0, _SEED_HIGH, (), generator=generator, device=device))
 
 
+def _redraw(seed: int | None, owner: object) -> None:
+    """Draw the recorded seed again to keep the default stream aligned (NOTE [ aligned draws ])."""
+    frame = FRAME.get()
+    if frame is None or frame.tape.rng is None:
+        return
+    again = _draw_seed(None)
+    if again != seed:
+        raise ScopedCkptError(
+            f"scopedckpt: the recompute of a checkpoint region drew seed {again} for "
+            f"{describe(owner)} from torch's default generator, but its first forward drew "
+            f"{seed} at the same point: the random numbers drawn in the region differ between "
+            "forward and recompute (data-dependent random draws, or another thread drawing "
+            "from the default generator while the region ran). Give the scoped layers their "
+            "own generator=..., or keep such draws outside checkpoint regions."
+        )
+
+
 @torch.compiler.disable  # see NOTE [ torch.compile ] in _engine.py
 def _dropout(
     input: Tensor,
@@ -174,12 +210,14 @@ def _dropout(
             "for element-wise dropout."
         )
 
-    def decide() -> tuple[bool, int | None]:
+    def decide() -> tuple[bool, int | None, bool]:
         if training and 0.0 < p < 1.0 and input.numel() > 0:
-            return True, _draw_seed(generator)
-        return training, None
+            return True, _draw_seed(generator), generator is None
+        return training, None, False
 
-    (was_training, seed), _ = tape_value("dropout", owner, decide)
+    (was_training, seed, from_default), phase = tape_value("dropout", owner, decide)
+    if from_default and phase is Phase.RECOMPUTE:
+        _redraw(seed, owner)
     if not was_training or p == 0.0 or input.numel() == 0:
         return input
     if seed is None:  # p == 1: everything dropped, nothing random

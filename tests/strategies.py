@@ -1,6 +1,8 @@
 """Hypothesis strategies shared by the test suite: random models and regions.
 
-A random model is a pool of shape-preserving layers (width ``c`` channels)
+A random model is a pool of shape-preserving layers (width ``c`` channels:
+scoped layers, and unscoped random or stateful ones that the RNG replay and
+the buffer guard must keep exact)
 plus a *program*: a tree whose leaves are layer indices (a layer may appear
 several times, in one region or in several) and whose inner nodes are
 regions, possibly nested. :class:`ProgramModel` runs the program, calling
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
@@ -37,6 +40,76 @@ class Region:
 Program = int | Region
 
 
+class FunctionalDropout(nn.Module):
+    """Dropout through ``F.dropout``, as attention code calls it."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.dropout(x, self.p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+class DropPath(nn.Module):
+    """Per-sample drop path with ``bernoulli_``, as timm's DropPath."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keep = 1.0 - self.p
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)
+        return x * mask.div_(keep) if keep > 0 else x * mask
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+class OwnForwardBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """A batch-norm subclass calling ``F.batch_norm`` itself, as timm's BatchNormAct2d."""
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        pass
+
+    def forward(self, x: Tensor) -> Tensor:
+        average = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                average = 1.0 / float(self.num_batches_tracked)
+        use_batch = self.training or self.running_mean is None
+        return F.batch_norm(
+            x,
+            self.running_mean if not self.training or self.track_running_stats else None,
+            self.running_var if not self.training or self.track_running_stats else None,
+            self.weight,
+            self.bias,
+            use_batch,
+            average,
+            self.eps,
+        )
+
+
+class Counter(nn.Module):
+    """A step-counter buffer updated in forward and read after the update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training:
+            self.steps += 1
+        return x * (1.0 + self.steps.clone() * 0.5)
+
+
 @st.composite
 def layers(draw: st.DrawFn, rank: int, c: int) -> nn.Module:
     """One shape-preserving layer for input of ``rank`` with ``c`` channels."""
@@ -48,10 +121,35 @@ def layers(draw: st.DrawFn, rank: int, c: int) -> nn.Module:
     }[rank]
     channel_dropout = {3: scopedckpt.Dropout1d, 4: scopedckpt.Dropout2d, 5: scopedckpt.Dropout3d}
     conv = {3: nn.Conv1d, 4: nn.Conv2d, 5: nn.Conv3d}
+    torch_batch_norm = {
+        2: nn.BatchNorm1d,
+        3: nn.BatchNorm1d,
+        4: nn.BatchNorm2d,
+        5: nn.BatchNorm3d,
+    }[rank]
     # Stateful layers are what can go wrong: draw them most often.
     kinds = ["batch_norm", "dropout", "batch_norm", "weights", "dropout", "activation"]
     kinds += ["alpha_dropout"] + (["channel_dropout", "feature_alpha_dropout"] if rank > 2 else [])
+    # Unscoped ones: replayed by the RNG stash, guarded by the buffer guard.
+    kinds += ["torch_dropout", "functional_dropout", "drop_path", "torch_batch_norm"]
+    kinds += ["own_forward_batch_norm", "counter"]
     kind = draw(st.sampled_from(kinds))
+    if kind == "torch_dropout":
+        return nn.Dropout(draw(probabilities))
+    if kind == "functional_dropout":
+        return FunctionalDropout(draw(probabilities))
+    if kind == "drop_path":
+        return DropPath(draw(probabilities))
+    if kind == "counter":
+        return Counter()
+    if kind in ("torch_batch_norm", "own_forward_batch_norm"):
+        cls = torch_batch_norm if kind == "torch_batch_norm" else OwnForwardBatchNorm
+        return cls(
+            c,
+            momentum=draw(momenta),
+            affine=draw(st.booleans()),
+            track_running_stats=draw(st.booleans()),
+        )
     if kind == "weights":
         return nn.Linear(c, c) if rank == 2 else conv[rank](c, c, 3, padding=1)
     if kind == "activation":
@@ -146,7 +244,14 @@ def cases(draw: st.DrawFn, max_steps: int = 3) -> Case:
 def count_scoped(model: nn.Module) -> dict[str, Any]:
     """How many scoped layers of each kind a model has (for test statistics)."""
     counts: dict[str, Any] = {}
+    kinds = (
+        nn.modules.dropout._DropoutNd,
+        nn.modules.batchnorm._BatchNorm,
+        FunctionalDropout,
+        DropPath,
+        Counter,
+    )
     for m in model.modules():
-        if isinstance(m, (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)):
+        if isinstance(m, kinds):
             counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
     return counts

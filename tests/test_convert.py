@@ -100,7 +100,12 @@ def test_user_subclasses_are_reported_not_replaced() -> None:
 
     model = nn.Sequential(MyDropout(0.1), nn.Dropout(0.1))
     with pytest.warns(
-        UserWarning, match=re.escape("unchanged, since their forward may differ from torch's: 0 (")
+        scopedckpt.ConvertWarning,
+        match=re.escape(
+            "scopedckpt: convert left these modules unscoped: 0 (test_user_subclasses_are_"
+            "reported_not_replaced.<locals>.MyDropout: a subclass of a torch layer; its forward "
+            "may differ from torch's)."
+        ),
     ):
         scopedckpt.convert(model)
     assert type(model[0]) is MyDropout and type(model[1]) is scopedckpt.Dropout
@@ -108,8 +113,76 @@ def test_user_subclasses_are_reported_not_replaced() -> None:
 
 def test_attention_dropout_is_reported() -> None:
     layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=8, dropout=0.1)
-    with pytest.warns(UserWarning, match=re.escape("self_attn (dropout=0.1)")):
+    with pytest.warns(
+        scopedckpt.ConvertWarning,
+        match=re.escape("self_attn (MultiheadAttention: functional attention dropout, p=0.1)"),
+    ):
         scopedckpt.convert(layer)
+
+
+# Stand-ins named like the ecosystem's layers: convert knows them by class name only.
+class DropPath(nn.Module):  # timm.layers.DropPath
+    def __init__(self, drop_prob: float) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+
+
+class StochasticDepth(DropPath):  # torchvision.ops.StochasticDepth
+    pass
+
+
+class BertSelfAttention(nn.Module):  # Hugging Face: nn.Dropout read only for its p
+    def __init__(self) -> None:
+        super().__init__()
+        self.query = nn.Linear(4, 4)
+        self.dropout = nn.Dropout(0.2)
+
+
+class LlamaAttention(nn.Module):  # Hugging Face: a float rate
+    def __init__(self, rate: float) -> None:
+        super().__init__()
+        self.attention_dropout = rate
+
+
+class BatchNormAct2d(nn.BatchNorm2d):  # timm: its own forward calling F.batch_norm
+    pass
+
+
+def test_one_warning_names_every_unscoped_random_or_stateful_module() -> None:
+    model = nn.Sequential(
+        nn.Sequential(DropPath(0.1), StochasticDepth(0.2)),
+        BertSelfAttention(),
+        LlamaAttention(0.1),
+        LlamaAttention(0.0),  # no dropout: nothing to say
+        BatchNormAct2d(4),
+        nn.InstanceNorm1d(4, track_running_stats=True),
+        nn.Dropout(0.3),
+    )
+    with pytest.warns(scopedckpt.ConvertWarning) as record:
+        scopedckpt.convert(model)
+    assert len(record) == 1
+    message = str(record[0].message)
+    for expected in (
+        "0.0 (DropPath: drop path)",
+        "0.1 (StochasticDepth: stochastic depth)",
+        "1 (BertSelfAttention: attention dropout applied functionally, p=0.2)",
+        "2 (LlamaAttention: attention dropout applied functionally, p=0.1)",
+        "4 (BatchNormAct2d: a subclass of a torch layer",
+        "5 (InstanceNorm1d: running statistics)",
+    ):
+        assert expected in message, expected
+    assert "3 (" not in message and "6 (" not in message
+    assert type(model[6]) is scopedckpt.Dropout
+    assert type(model[1].dropout) is scopedckpt.Dropout  # converted, and still reported
+
+
+def test_a_model_convert_fully_scopes_gets_no_warning() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scopedckpt.convert(_model())
+        scopedckpt.convert(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
 
 
 def test_non_module_is_rejected() -> None:

@@ -21,7 +21,20 @@ def test_readme_has_exactly_two_setup_commands() -> None:
     assert commands[1].endswith("python -m pytest")
 
 
-def test_ci_runs_the_readme_test_command_verbatim() -> None:
+def test_ci_runs_both_readme_commands_verbatim_in_a_fresh_virtualenv() -> None:
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert _setup_commands()[1] in ci
-    assert ci.index("python -m pip install --quiet torch==2.13.0") < ci.index(_setup_commands()[1])
+    demo, tests = _setup_commands()
+    assert demo in ci and tests in ci
+    venv = ci.index('python -m venv "$work/venv"')
+    assert venv < ci.index(demo) < ci.index(tests)
+    # Nothing is installed into the fresh virtualenv before the README's own commands.
+    assert not [line for line in ci[venv : ci.index(demo)] if "pip install" in line]
+
+
+def test_the_extending_example_runs_as_written() -> None:
+    docs = ROOT / "docs" / "extending.md"
+    code = re.search(r"```python\n(.+?)```", docs.read_text(), flags=re.S)
+    assert code is not None
+    namespace: dict[str, object] = {"__name__": "extending_example"}
+    exec(compile(code.group(1), str(docs), "exec"), namespace)
+    namespace["test_custom_layers_train_exactly"]()  # type: ignore[operator]

@@ -283,3 +283,53 @@ def test_preserve_rng_state_opt_in_makes_unscoped_dropout_exact() -> None:
         return xi.grad
 
     assert torch.equal(grad(True), grad(False))
+
+
+class DynamicCache:
+    """Stands for transformers' cache: recognised by class name and module."""
+
+    __module__ = "transformers.cache_utils"
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+
+class CachingLayer(nn.Module):
+    _can_checkpoint_with_cache = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
+        if cache is not None:
+            cache.keys.append(x.detach())
+        return self.lin(x)
+
+
+def test_a_hugging_face_cache_in_a_region_is_refused_naming_the_layer() -> None:
+    model = nn.Sequential(CachingLayer())
+    x = torch.randn(2, 6, requires_grad=True)
+    with (
+        pytest.raises(
+            scopedckpt.ScopedCkptError,
+            match=re.escape(
+                "scopedckpt: a checkpoint region (the forward of '0' (CachingLayer)) got a "
+                "Hugging Face DynamicCache as keyword argument 'cache'."
+            ),
+        ),
+        scopedckpt.checkpointing(model[0], root=model),
+    ):
+        model[0](x, cache=DynamicCache())
+    with pytest.raises(scopedckpt.ScopedCkptError, match="Pass use_cache=False"):
+        with scopedckpt.checkpointing():
+            scopedckpt.checkpoint(model[0], x, DynamicCache())
+
+
+def test_layers_that_only_read_the_cache_may_take_it() -> None:
+    class Reader(CachingLayer):
+        _can_checkpoint_with_cache = True
+
+    layer = Reader()
+    with scopedckpt.checkpointing(layer):
+        layer(torch.randn(2, 6, requires_grad=True), cache=DynamicCache()).sum().backward()

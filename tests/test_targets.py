@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
@@ -176,9 +176,10 @@ def test_other_threads_without_the_scope_make_plain_calls() -> None:
 def _small_transformer() -> nn.Module:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.1, batch_first=True)
-    layer.self_attn.dropout = 0.0  # torch's attention dropout is functional: not replayable
     encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
-    return scopedckpt.convert(encoder)
+    # The attention dropout stays functional inside torch: replayed, and reported.
+    with pytest.warns(scopedckpt.ConvertWarning, match=r"self_attn \(MultiheadAttention"):
+        return scopedckpt.convert(encoder)
 
 
 def test_converted_transformer_trains_bit_identically() -> None:
@@ -229,7 +230,6 @@ def test_converted_resnet_trains_bit_identically() -> None:
     )
 
 
-@settings(max_examples=20)
 @given(data=st.data(), depth=st.integers(1, 4), seed=sst.seeds())
 def test_random_target_selections_train_identically(
     data: st.DataObject, depth: int, seed: int

@@ -30,3 +30,56 @@ def test_public_checkpoint_api_still_takes_the_arguments_we_pass() -> None:
     for name in ("use_reentrant", "context_fn", "determinism_check", "early_stop"):
         assert name in params, f"torch.utils.checkpoint.checkpoint lost {name}"
     assert "preserve_rng_state" in inspect.getsource(tc.checkpoint)
+
+
+def test_module_buffers_is_the_registry_register_buffer_fills() -> None:
+    module = torch.nn.BatchNorm1d(3)
+    buffers = _torch_private.module_buffers(module)
+    assert list(buffers) == ["running_mean", "running_var", "num_batches_tracked"]
+    swapped = torch.full((3,), 7.0)
+    buffers["running_mean"] = swapped  # what the buffer guard does in a recompute
+    assert module.running_mean is swapped
+    assert dict(module.named_buffers())["running_mean"] is swapped
+
+
+def test_flash_attention_for_cpu_is_tagged_random_even_without_dropout() -> None:
+    """Why strict mode reads dropout_p (kept true: if torch drops the tag, simplify)."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert torch.Tag.nondeterministic_seeded in op.tags
+    q = torch.randn(1, 1, 2, 4)
+    assert not _torch_private.draws_random_numbers(op, (q, q, q), {})
+    assert _torch_private.draws_random_numbers(op, (q, q, q, 0.1), {})
+    dropout = torch.ops.aten.native_dropout.default
+    assert not _torch_private.draws_random_numbers(dropout, (q, 0.5, False), {})
+    assert _torch_private.bound_arguments(dropout, (q, 0.5), {"train": True})["p"] == 0.5
+
+
+def test_global_module_hooks_run_for_every_call_and_on_exceptions() -> None:
+    """The buffer guard's hooks: public API, but its always_call behaviour is load-bearing."""
+    from torch.nn.modules import module as module_api
+
+    calls: list[str] = []
+    pre = module_api.register_module_forward_pre_hook(lambda m, a: calls.append("pre"))
+    post = module_api.register_module_forward_hook(
+        lambda m, a, o: calls.append("post"), always_call=True
+    )
+
+    class Boom(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("boom")
+
+    try:
+        Boom()(torch.ones(1))
+    except ValueError:
+        pass
+    finally:
+        pre.remove()
+        post.remove()
+    assert calls == ["pre", "post"]
+
+
+def test_generator_state_round_trips() -> None:
+    state = torch.default_generator.get_state()
+    first = torch.rand(3)
+    torch.default_generator.set_state(state)
+    assert torch.equal(torch.rand(3), first)

@@ -1,0 +1,279 @@
+"""The buffer guard: recomputes never change module state.
+
+NOTE [ buffer guard ]
+=====================
+A recompute runs a region's modules a second time, and any module that
+updates a buffer in its forward (BatchNorm of any implementation, EMA
+statistics, step counters, spectral norm's power iteration) would update it
+again. The guard makes every recompute see, and leave, module state exactly
+as the first forward did:
+
+* While any region frame is active, in any thread, a global module forward
+  pre-hook and forward hook (``always_call``) are installed (reference-counted
+  by frame entries; they return at once in contexts without a frame).
+* *What is guarded:* the registered buffers (``module._buffers``, not those of
+  submodules: each submodule is guarded at its own call) of every module
+  called through ``__call__`` inside a region, and the region's owner module
+  itself; plus any state a module exposes through the :class:`Stateful`
+  protocol. *Not guarded:* plain Python attributes, tensors that are not
+  registered buffers, parameters changed in place in forward, globals:
+  use :func:`scopedckpt.replay` or the protocol for those.
+* First forward: before each guarded call the module's buffers are copied;
+  after it, the copies of buffers that changed (by value, or rebound to another
+  tensor) go on the tape, keyed by (module, how many guarded calls of it came
+  before in this frame). Unchanged copies are dropped at once.
+* Recompute: before the same call the module's changed buffers are swapped
+  for fresh copies of their values *before* the first forward's call, so the
+  recompute computes from the same state (a counter read after its update
+  reads the same number) and its own update lands on the copies; after the
+  call the real buffers are put back, untouched. Swapping objects rather than
+  copying values also keeps the real buffers' version counters, which the
+  first forward's graph may have saved.
+* Only buffers the first forward's call changed are swapped in recomputes:
+  the recompute of that call, on the same inputs and state, changes no other.
+  A module that changes state only when it is recomputed (reading
+  :func:`scopedckpt.is_recomputing`) is outside the guard.
+* Scoped batch norm guards itself (throwaway running buffers, no copies), so
+  the guard skips it: the fast path stays fast.
+* ``checkpointing(strict=True)`` turns a changed buffer into a
+  :class:`ScopedCkptError` naming the module path: a lint that every stateful
+  layer in regions is a scoped one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from ._errors import ScopedCkptError
+from ._state import FRAME, Frame, Phase, module_path
+from ._torch_private import module_buffers
+
+__all__ = ["ModuleState", "Stateful", "acquire", "guarded_call", "release", "unwind"]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """State a module keeps outside its registered buffers, restored around recomputes.
+
+    A module whose forward changes state that is not a registered buffer (a
+    Python counter, an object it owns) implements these two methods; inside
+    checkpoint regions scopedckpt then calls ``scopedckpt_state()`` before each
+    first-forward call, and around the recompute of that call restores the
+    snapshot with ``scopedckpt_restore(snapshot)`` and afterwards puts back what
+    it found. The snapshot must not be changed by later calls: return copies
+    (restore may be called with the same snapshot several times).
+
+    Example
+    -------
+    >>> import torch, scopedckpt
+    >>> class Counted(torch.nn.Linear):
+    ...     calls = 0
+    ...     def forward(self, x):
+    ...         self.calls += 1
+    ...         return super().forward(x) * self.calls
+    ...     def scopedckpt_state(self):
+    ...         return self.calls
+    ...     def scopedckpt_restore(self, state):
+    ...         self.calls = state
+    >>> layer = Counted(2, 2)
+    >>> x = torch.ones(1, 2, requires_grad=True)
+    >>> with scopedckpt.checkpointing():
+    ...     y = scopedckpt.checkpoint(layer, x)
+    >>> y.sum().backward()        # the recompute sees calls == 0 before its update
+    >>> layer.calls
+    1
+    """
+
+    def scopedckpt_state(self) -> Any: ...
+
+    def scopedckpt_restore(self, state: Any) -> None: ...
+
+
+@dataclass
+class ModuleState:
+    """What a recompute of one guarded call restores (on the tape)."""
+
+    buffers: list[tuple[str, Tensor]]  # changed buffers' values before the call
+    state: Any  # the Stateful snapshot, or _NONE
+
+
+@dataclass
+class _Entry:
+    """A guarded call running now (on the frame's stack)."""
+
+    module: nn.Module
+    index: int
+    saved: list[Any]  # forward: (name, buffer, copy) triples; recompute: (name, real) pairs
+    state: Any  # forward: the snapshot; recompute: the state to put back
+
+
+_NONE = object()
+_SELF_GUARDED: set[Callable[..., Any]] = set()
+_LOCK = threading.Lock()
+_USERS = 0
+_HANDLES: list[RemovableHandle] = []
+
+
+def self_guarded(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a forward that keeps its module's buffers itself (scoped batch norm)."""
+    _SELF_GUARDED.add(forward)
+    return forward
+
+
+def _stateful(module: nn.Module) -> bool:
+    return callable(getattr(type(module), "scopedckpt_restore", None))
+
+
+def _snapshot(module: nn.Module) -> Any:
+    return getattr(module, "scopedckpt_state")()  # noqa: B009 - nn.Module's __getattr__ types it as a Tensor
+
+
+def _restore(module: nn.Module, state: Any) -> None:
+    getattr(module, "scopedckpt_restore")(state)  # noqa: B009
+
+
+def _guarded(module: nn.Module) -> bool:
+    if type(module).forward in _SELF_GUARDED:
+        return False
+    return bool(module_buffers(module)) or _stateful(module)
+
+
+def _same(a: Any, b: Tensor) -> bool:
+    return (
+        isinstance(a, Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    )
+
+
+def enter(frame: Frame, module: nn.Module) -> None:
+    """Before a guarded call: copy its state (forward) or swap in the recorded one."""
+    index = frame.calls.get(id(module), 0)
+    frame.calls[id(module)] = index + 1
+    stateful = _stateful(module)
+    if frame.phase is not Phase.RECOMPUTE:
+        saved = [(n, b, b.clone()) for n, b in module_buffers(module).items() if b is not None]
+        state = _snapshot(module) if stateful else _NONE
+        frame.guards.append(_Entry(module, index, saved, state))
+        return
+    record: ModuleState | None = frame.tape.states.get((id(module), index))
+    if record is None:
+        if stateful:
+            raise ScopedCkptError(
+                f"scopedckpt: the recompute of a checkpoint region called "
+                f"{module_path(module, frame)} (a Stateful module) for the {index + 1}. time, "
+                "but its first forward called it fewer times. The region's control flow must "
+                "not depend on data that changes between forward and backward."
+            )
+        frame.guards.append(_Entry(module, index, [], _NONE))
+        return
+    swapped: list[Any] = []
+    for name, before in record.buffers:
+        swapped.append((name, module_buffers(module).get(name)))
+        module_buffers(module)[name] = before.clone()  # a copy: a later recompute needs `before` again
+    current = _NONE
+    if record.state is not _NONE:
+        current = _snapshot(module)
+        _restore(module, record.state)
+    frame.guards.append(_Entry(module, index, swapped, current))
+
+
+def exit_(frame: Frame, module: nn.Module) -> None:
+    """After a guarded call: keep what changed (forward) or put the real state back."""
+    entry: _Entry = frame.guards.pop()
+    if frame.phase is not Phase.RECOMPUTE:
+        changed = [
+            (name, copy)
+            for name, buffer, copy in entry.saved
+            if not _same(module_buffers(module).get(name), copy)
+        ]
+        if changed or entry.state is not _NONE:
+            if changed and frame.scope.strict:
+                names = ", ".join(name for name, _ in changed)
+                raise ScopedCkptError(
+                    f"scopedckpt: strict mode found {module_path(module, frame)} changing its "
+                    f"buffers ({names}) inside a checkpoint region. The buffer guard keeps the "
+                    "recompute from changing them again, at the cost of a copy per call; strict "
+                    "mode asks for scoped layers instead. Replace it with a scoped layer "
+                    "(scopedckpt.convert(model) converts torch's batch norms), or turn strict off."
+                )
+            frame.tape.states[(id(module), entry.index)] = ModuleState(changed, entry.state)
+        return
+    _put_back(entry)
+
+
+def _put_back(entry: _Entry) -> None:
+    for name, real in entry.saved:
+        module_buffers(entry.module)[name] = real
+    if entry.state is not _NONE:
+        _restore(entry.module, entry.state)
+
+
+def unwind(frame: Frame) -> None:
+    """Leave no swapped buffer behind when a frame ends early (error, early stop)."""
+    while frame.guards:
+        entry = frame.guards.pop()
+        if frame.phase is Phase.RECOMPUTE:
+            _put_back(entry)
+
+
+def _pre_hook(module: nn.Module, args: Any) -> None:
+    frame = FRAME.get()
+    if frame is None:
+        return
+    if _guarded(module):
+        enter(frame, module)
+    else:
+        # Counted all the same: a buffer registered lazily during the first
+        # forward must not shift the call indices the recompute looks up.
+        frame.calls[id(module)] = frame.calls.get(id(module), 0) + 1
+
+
+def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
+    frame = FRAME.get()
+    if frame is not None and frame.guards and frame.guards[-1].module is module:
+        exit_(frame, module)
+
+
+def acquire() -> None:
+    """Install the global hooks while at least one frame is active."""
+    global _USERS
+    with _LOCK:
+        _USERS += 1
+        if _USERS == 1:
+            _HANDLES.append(nn.modules.module.register_module_forward_pre_hook(_pre_hook))
+            _HANDLES.append(
+                nn.modules.module.register_module_forward_hook(_post_hook, always_call=True)
+            )
+
+
+def release() -> None:
+    """Remove the global hooks when the last active frame ends."""
+    global _USERS
+    with _LOCK:
+        _USERS -= 1
+        if _USERS == 0:
+            for handle in _HANDLES:
+                handle.remove()
+            _HANDLES.clear()
+
+
+def guarded_call(owner: nn.Module, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (the owner's forward, run without ``__call__``) guarded as a call of ``owner``."""
+    if not _guarded(owner):
+        return fn
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        frame = FRAME.get()
+        assert frame is not None  # called by torch's checkpoint inside our frame
+        enter(frame, owner)
+        result = fn(*args, **kwargs)
+        exit_(frame, owner)  # on an exception, unwind() cleans up when the frame ends
+        return result
+
+    return call

@@ -1,0 +1,101 @@
+"""Replay of unscoped randomness: a region-level stash of the default generators.
+
+NOTE [ RNG replay ]
+===================
+Random ops that no scoped layer issues (``F.dropout`` in attention code,
+``scaled_dot_product_attention(dropout_p=...)``, ``bernoulli_`` in DropPath,
+``torch.rand`` in user code) draw from torch's *default* generators. They are
+replayed exactly by giving the recompute the generator states the first
+forward started from:
+
+* When a region's first forward starts, :func:`stash` copies the state of the
+  default CPU generator and of the default generator of every initialised
+  accelerator device (CUDA, XPU, ...: ``torch.accelerator``), onto the tape.
+* Every backward recompute sets those states, runs, and puts back the states
+  it found (``_EnterFrame`` in ``_engine.py``), so the global streams after ``backward()`` are
+  those after the forward: the same as without checkpointing.
+* Scoped layers stay aligned with that stream (see NOTE [ aligned draws ] in
+  ``functional.py``): a scoped dropout drawing its seed from the default
+  generator in the forward draws it again in the recompute and checks that it
+  got the recorded seed. So scoped and unscoped draws can be mixed in any
+  order, and a recompute whose stream diverged raises instead of replaying
+  wrong masks.
+* A nested region replayed inside its parent's recompute sets its stash on
+  entry too but does not rewind on exit: the parent's later draws must see the
+  stream advanced past the nested region, as in the first forward.
+
+This was chosen over per-op record/replay (a dispatch mode over every op of
+every region, and a generator state per random op) because it costs two state
+copies per region and nothing per op; ``benchmarks/run.py`` keeps the cost
+visible. What it cannot replay: random ops given an explicit non-default
+``generator=`` (the stash cannot know it; ``checkpointing(strict=True)``
+reports them), and draws made by another thread on the shared default
+generator while a region runs (as for ``torch.utils.checkpoint``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["RngStash", "stash"]
+
+Access = tuple[Callable[[], Tensor], Callable[[Tensor], None]]
+
+
+def _accelerator_generators() -> list[Access]:
+    """Get/set functions for the default generator of each initialised accelerator device.
+
+    Only initialised devices: a region must not initialise CUDA by asking. Tests
+    replace this function to check the device path without a device.
+    """
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is None:
+        return []
+    module = torch.get_device_module(accelerator.type)
+    is_initialized = getattr(module, "is_initialized", None)
+    if is_initialized is None or not is_initialized():
+        return []
+    return [_device_access(module, index) for index in range(module.device_count())]
+
+
+def _device_access(module: Any, index: int) -> Access:
+    def get_state() -> Tensor:
+        return module.get_rng_state(index)
+
+    def set_state(state: Tensor) -> None:
+        module.set_rng_state(state, index)
+
+    return get_state, set_state
+
+
+DEVICE_GENERATORS: Callable[[], list[Access]] = _accelerator_generators
+
+
+@dataclass(frozen=True)
+class RngStash:
+    """The default generators' states when a region's first forward started."""
+
+    cpu: Tensor
+    devices: tuple[tuple[Access, Tensor], ...]
+
+    def apply(self) -> None:
+        """Set every generator to this state."""
+        torch.default_generator.set_state(self.cpu)
+        for (_, set_state), state in self.devices:
+            set_state(state)
+
+    def current(self) -> RngStash:
+        """The same generators' states now, to put back after a recompute."""
+        devices = tuple((access, access[0]()) for access, _ in self.devices)
+        return RngStash(torch.default_generator.get_state(), devices)
+
+
+def stash() -> RngStash:
+    """Copy the states of the default CPU and accelerator generators."""
+    devices = tuple((access, access[0]()) for access in DEVICE_GENERATORS())
+    return RngStash(torch.default_generator.get_state(), devices)

@@ -1,0 +1,166 @@
+"""Recomputes never change module state (NOTE [ buffer guard ])."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import scopedckpt
+from scopedckpt import _guard
+from scopedckpt.testing import assert_checkpoint_equivalent
+
+
+class FunctionalBatchNorm(nn.BatchNorm1d):
+    """A subclass with its own forward, as timm's BatchNormAct2d."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias,
+            self.training, self.momentum or 0.1, self.eps,
+        ).relu()  # fmt: skip
+
+
+class Counter(nn.Module):
+    """A step counter read after its update: the recompute must read the same number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        return x * self.steps.clone()  # a copy: the next call's += must not hit a saved tensor
+
+
+class Rebinding(nn.Module):
+    """Updates its EMA buffer by assigning a new tensor rather than in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ema = 0.9 * self.ema + 0.1 * x.detach().mean(0)
+        return x - self.ema
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), Counter()),
+        nn.Sequential(nn.Linear(6, 6), FunctionalBatchNorm(6), Rebinding()),
+        nn.utils.parametrizations.spectral_norm(nn.Linear(6, 6)),  # power iteration buffers
+    )
+
+
+@pytest.mark.parametrize("backward", ["backward", "retain_graph", "grad_then_backward", "none"])
+def test_unconverted_stateful_modules_are_updated_once(backward: str) -> None:
+    model = _model()
+    x = torch.randn(5, 6)
+    assert_checkpoint_equivalent(model, x, steps=3, backward=backward)  # type: ignore[arg-type]
+    # Nested regions, the same module inside several regions, the whole model.
+    assert_checkpoint_equivalent(
+        model, x, targets=[model, model[0], model[1][1], model[2]], steps=2, backward=backward  # type: ignore[arg-type]
+    )
+
+
+def test_recompute_leaves_buffers_untouched() -> None:
+    model = _model()
+    x = torch.randn(5, 6, requires_grad=True)
+    with scopedckpt.checkpointing(*model):
+        loss = model(x).square().sum()
+    after_forward = {n: b.clone() for n, b in model.named_buffers()}
+    loss.backward()
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, after_forward[name]), name
+    assert int(model[0][2].steps) == 1 and int(model[0][1].num_batches_tracked) == 1
+
+
+def test_a_module_called_twice_in_a_region_replays_each_call() -> None:
+    torch.manual_seed(0)
+    counter, bn = Counter(), nn.BatchNorm1d(6)
+    model = nn.Sequential(bn, counter, bn, counter)
+    assert_checkpoint_equivalent(model, torch.randn(4, 6), targets=[model], steps=2)
+
+
+def test_region_owner_buffers_are_guarded() -> None:
+    """A module target's own forward runs inside the region without __call__."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(6)
+    assert_checkpoint_equivalent(bn, torch.randn(4, 6), targets=[bn], steps=2)
+    assert_checkpoint_equivalent(bn, torch.randn(4, 6), targets=[nn.BatchNorm1d], steps=2)
+
+
+def test_early_stop_and_errors_put_the_real_buffers_back() -> None:
+    model = _model()
+    x = torch.randn(5, 6, requires_grad=True)
+    with scopedckpt.checkpointing():
+        out = scopedckpt.checkpoint(model, x, early_stop=True)
+    real = {n: b for n, b in model.named_buffers()}  # after the forward (Rebinding rebinds)
+    # Only the first Linear's input grad is needed: the recompute stops early.
+    torch.autograd.grad(out.sum(), x)
+    for name, buffer in model.named_buffers():
+        assert buffer is real[name], name
+    assert not _guard._HANDLES  # the global hooks are gone with the last frame
+
+
+def test_hooks_are_installed_only_while_a_region_runs() -> None:
+    seen: list[int] = []
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        seen.append(len(_guard._HANDLES))
+        return x.sin()
+
+    x = torch.ones(2, requires_grad=True)
+    assert not _guard._HANDLES
+    with scopedckpt.checkpointing():
+        out = scopedckpt.checkpoint(body, x)
+    assert not _guard._HANDLES
+    out.sum().backward()
+    assert seen == [2, 2] and not _guard._HANDLES
+
+
+def test_scoped_batch_norm_skips_the_guard() -> None:
+    bn = scopedckpt.BatchNorm1d(6)
+    assert not _guard._guarded(bn)
+    assert _guard._guarded(nn.BatchNorm1d(6))
+
+    class Sub(scopedckpt.BatchNorm1d):  # its own forward: the guard takes it
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x)
+
+    assert _guard._guarded(Sub(6))
+    assert_checkpoint_equivalent(Sub(6), torch.randn(4, 6), targets=[], steps=2,
+                                 require_regions=False)  # fmt: skip
+
+
+def test_strict_mode_names_the_module_changing_buffers() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.BatchNorm1d(4)))
+    with (
+        pytest.raises(
+            scopedckpt.ScopedCkptError,
+            match=re.escape(
+                "scopedckpt: strict mode found '1.0' (BatchNorm1d) changing its buffers "
+                "(running_mean, running_var, num_batches_tracked) inside a checkpoint region."
+            ),
+        ),
+        scopedckpt.checkpointing(model, strict=True, root=model),
+    ):
+        model(torch.randn(3, 4, requires_grad=True))
+    converted = scopedckpt.convert(copy.deepcopy(model))
+    with scopedckpt.checkpointing(converted, strict=True):
+        converted(torch.randn(3, 4, requires_grad=True)).sum().backward()
+
+
+def test_strict_mode_names_paths_relative_to_the_region_owner_without_root() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    with (
+        pytest.raises(scopedckpt.ScopedCkptError, match=re.escape("'Sequential.1' (BatchNorm1d)")),
+        scopedckpt.checkpointing(model, strict=True),
+    ):
+        model(torch.randn(3, 4, requires_grad=True))
