@@ -18,21 +18,21 @@ as the first forward did:
   protocol. *Not guarded:* plain Python attributes, tensors that are not
   registered buffers, parameters changed in place in forward, globals:
   use :func:`scopedckpt.replay` or the protocol for those.
-* First forward: before each guarded call the module's buffers are copied;
-  after it, the copies of buffers that changed (by value, or rebound to another
-  tensor) go on the tape, keyed by (module, how many guarded calls of it came
-  before in this frame). Unchanged copies are dropped at once.
-* Recompute: before the same call the module's changed buffers are swapped
-  for fresh copies of their values *before* the first forward's call, so the
+* First forward: before each guarded call the module's buffers are copied
+  and the copies go on the tape, keyed by (module, how many calls of it came
+  before in this frame). All of them, not only those the call changed: a
+  buffer the call left bitwise unchanged (a running variance whose update
+  rounds back to itself) may have been moved on by later calls when the
+  recompute comes, and would then be updated for real (found by the property
+  test). The cost is a copy of each called module's own buffers per call,
+  kept until backward; modules without buffers (most) cost nothing.
+* Recompute: before the same call all of its buffers are swapped for fresh
+  copies of their values *before* the first forward's call, so the
   recompute computes from the same state (a counter read after its update
-  reads the same number) and its own update lands on the copies; after the
+  reads the same number) and its own updates land on the copies; after the
   call the real buffers are put back, untouched. Swapping objects rather than
   copying values also keeps the real buffers' version counters, which the
   first forward's graph may have saved.
-* Only buffers the first forward's call changed are swapped in recomputes:
-  the recompute of that call, on the same inputs and state, changes no other.
-  A module that changes state only when it is recomputed (reading
-  :func:`scopedckpt.is_recomputing`) is outside the guard.
 * Scoped batch norm guards itself (throwaway running buffers, no copies), so
   the guard skips it: the fast path stays fast.
 * ``checkpointing(strict=True)`` turns a changed buffer into a
@@ -100,7 +100,7 @@ class Stateful(Protocol):
 class ModuleState:
     """What a recompute of one guarded call restores (on the tape)."""
 
-    buffers: list[tuple[str, Tensor]]  # changed buffers' values before the call
+    buffers: list[tuple[str, Tensor]]  # every buffer's value before the call
     state: Any  # the Stateful snapshot, or _NONE
 
 
@@ -163,15 +163,13 @@ def enter(frame: Frame, module: nn.Module) -> None:
         return
     record: ModuleState | None = frame.tape.states.get((id(module), index))
     if record is None:
-        if stateful:
-            raise ScopedCkptError(
-                f"scopedckpt: the recompute of a checkpoint region called "
-                f"{module_path(module, frame)} (a Stateful module) for the {index + 1}. time, "
-                "but its first forward called it fewer times. The region's control flow must "
-                "not depend on data that changes between forward and backward."
-            )
-        frame.guards.append(_Entry(module, index, [], _NONE))
-        return
+        raise ScopedCkptError(
+            f"scopedckpt: the recompute of a checkpoint region called "
+            f"{module_path(module, frame)} (a module with buffers or state) for the "
+            f"{index + 1}. time, but its first forward called it fewer times, so there is no "
+            "state to recompute it from. The region's control flow must not depend on data "
+            "that changes between forward and backward."
+        )
     swapped: list[Any] = []
     for name, before in record.buffers:
         swapped.append((name, module_buffers(module).get(name)))
@@ -187,24 +185,26 @@ def exit_(frame: Frame, module: nn.Module) -> None:
     """After a guarded call: keep what changed (forward) or put the real state back."""
     entry: _Entry = frame.guards.pop()
     if frame.phase is not Phase.RECOMPUTE:
-        changed = [
-            (name, copy)
-            for name, buffer, copy in entry.saved
-            if not _same(module_buffers(module).get(name), copy)
-        ]
-        if changed or entry.state is not _NONE:
-            if changed and frame.scope.strict:
-                names = ", ".join(name for name, _ in changed)
-                raise ScopedCkptError(
-                    f"scopedckpt: strict mode found {module_path(module, frame)} changing its "
-                    f"buffers ({names}) inside a checkpoint region. The buffer guard keeps the "
-                    "recompute from changing them again, at the cost of a copy per call; strict "
-                    "mode asks for scoped layers instead. Replace it with a scoped layer "
-                    "(scopedckpt.convert(model) converts torch's batch norms), or turn strict off."
-                )
-            frame.tape.states[(id(module), entry.index)] = ModuleState(changed, entry.state)
+        if frame.scope.strict:
+            _refuse_changes(frame, module, entry)
+        before = [(name, copy) for name, _, copy in entry.saved]
+        frame.tape.states[(id(module), entry.index)] = ModuleState(before, entry.state)
         return
     _put_back(entry)
+
+
+def _refuse_changes(frame: Frame, module: nn.Module, entry: _Entry) -> None:
+    """Strict mode: a module changing its buffers in a region is not on the fast path."""
+    buffers = module_buffers(module)
+    changed = [name for name, _, copy in entry.saved if not _same(buffers.get(name), copy)]
+    if changed:
+        raise ScopedCkptError(
+            f"scopedckpt: strict mode found {module_path(module, frame)} changing its "
+            f"buffers ({', '.join(changed)}) inside a checkpoint region. The buffer guard "
+            "keeps the recompute from changing them again, at the cost of a copy per call; "
+            "strict mode asks for scoped layers instead. Replace it with a scoped layer "
+            "(scopedckpt.convert(model) converts torch's batch norms), or turn strict off."
+        )
 
 
 def _put_back(entry: _Entry) -> None:

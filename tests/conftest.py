@@ -33,8 +33,10 @@ torch.set_num_threads(1)
 
 @pytest.fixture(autouse=True)
 def _no_scope_leaks():
-    """Every test must leave no scope, frame or target patch behind."""
-    from scopedckpt import _targets
+    """Every test must leave no scope, frame, patch or global hook behind."""
+    import torch.utils.checkpoint as torch_checkpoint
+
+    from scopedckpt import _guard, _patch, _targets
     from scopedckpt._state import FRAME, SCOPE
 
     yield
@@ -42,3 +44,6 @@ def _no_scope_leaks():
     assert SCOPE.get() is None, "a checkpointing scope leaked out of the test"
     assert FRAME.get() is None, "a region frame leaked out of the test"
     assert not _targets._PATCHES, "a module forward patch leaked out of the test"
+    assert not _guard._HANDLES, "the buffer guard's global module hooks leaked out of the test"
+    assert not _patch._ORIGINALS, "patch_torch_checkpoint left torch.utils.checkpoint patched"
+    assert torch_checkpoint.checkpoint.__module__ == "torch.utils.checkpoint"

@@ -164,3 +164,56 @@ def test_strict_mode_names_paths_relative_to_the_region_owner_without_root() -> 
         scopedckpt.checkpointing(model, strict=True),
     ):
         model(torch.randn(3, 4, requires_grad=True))
+
+
+def test_a_buffer_a_call_left_unchanged_is_restored_too() -> None:
+    """Found by the property test: the second update of a cumulative running variance
+    rounded back to its own value, so that call's copy was dropped; by backward a later
+    call had moved the buffer on, and the recompute updated it for real."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(1, momentum=None, affine=False)
+    no_stats = nn.BatchNorm1d(1, momentum=None, affine=False, track_running_stats=False)
+
+    class Nested(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn, self.no_stats = bn, no_stats
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            def middle(t: torch.Tensor) -> torch.Tensor:
+                return scopedckpt.checkpoint(self.bn, self.no_stats(t), early_stop=False)
+
+            inner = scopedckpt.checkpoint(middle, self.no_stats(x), early_stop=False)
+            return self.bn(inner)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.nested, self.bn = Nested(), bn
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(scopedckpt.checkpoint(self.nested, x, early_stop=False))
+
+    assert_checkpoint_equivalent(
+        Model(), torch.tensor([[1.5410], [-0.2934]]), targets=(), steps=2, seed=0
+    )
+
+
+def test_a_module_with_buffers_called_more_often_in_the_recompute_raises() -> None:
+    bn = nn.BatchNorm1d(4)
+    calls: list[int] = []
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        for _ in range(len(calls)):
+            x = bn(x)
+        return x
+
+    x = torch.randn(3, 4, requires_grad=True)
+    with scopedckpt.checkpointing():
+        out = scopedckpt.checkpoint(body, x, early_stop=False)
+    with pytest.raises(
+        scopedckpt.ScopedCkptError,
+        match=re.escape("called a BatchNorm1d module (a module with buffers or state) for the 2."),
+    ):
+        out.sum().backward()

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import scopedckpt
+from scopedckpt import _mask
 from scopedckpt import functional as SF
 
 DROPOUTS = [
@@ -394,12 +395,12 @@ def test_alpha_dropout_values_equal_torchs_bitwise(p: float, dtype: torch.dtype)
 
 def test_each_thread_gets_its_own_mask_generator() -> None:
     cpu = torch.device("cpu")
-    mine = SF._mask_generator(cpu)
-    assert SF._mask_generator(cpu) is mine
+    mine = _mask._mask_generator(cpu)
+    assert _mask._mask_generator(cpu) is mine
     seen: list[tuple[torch.Generator, torch.Generator]] = []
 
     def worker() -> None:
-        seen.append((SF._mask_generator(cpu), SF._mask_generator(cpu)))
+        seen.append((_mask._mask_generator(cpu), _mask._mask_generator(cpu)))
 
     threads = [threading.Thread(target=worker) for _ in range(2)]
     for t in threads:

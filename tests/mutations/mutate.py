@@ -99,7 +99,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "mask_generator_shared_by_threads",
-        "scopedckpt/functional.py",
+        "scopedckpt/_mask.py",
         "_GENERATORS = threading.local()",
         '_GENERATORS = type("_SharedByAllThreads", (), {})()',
         ("tests/test_layers.py", "tests/test_concurrency.py"),
@@ -107,7 +107,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "dropout_scale_off_by_1e-6",
-        "scopedckpt/functional.py",
+        "scopedckpt/_mask.py",
         "unit.div_(1.0 - self.p)",
         "unit.mul_(1.0 / (1.0 - self.p) + 1e-6)",
         ("tests/test_layers.py",),
@@ -115,7 +115,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "dropout_scale_rounded_from_double",
-        "scopedckpt/functional.py",
+        "scopedckpt/_mask.py",
         "unit.div_(1.0 - self.p)",
         "unit.mul_(1.0 / (1.0 - self.p))",
         ("tests/test_layers.py",),
@@ -178,6 +178,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "module_buffers(module)[name] = before",
         ("tests/test_guard.py",),
         "the first recompute overwrites the recorded state a second recompute needs",
+    ),
+    Mutant(
+        "guard_records_only_changed_buffers",
+        "scopedckpt/_guard.py",
+        "        before = [(name, copy) for name, _, copy in entry.saved]",
+        "        before = [(n, c) for n, b, c in entry.saved if not _same(module_buffers(module).get(n), c)]",
+        ("tests/test_guard.py",),
+        "a buffer a call left bitwise unchanged is updated for real by its recompute later",
     ),
     Mutant(
         "guard_keeps_the_recompute_state",
