@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import inspect
 import threading
 from collections.abc import Callable, Generator
 from types import TracebackType
@@ -47,7 +46,8 @@ import torch.utils.checkpoint as torch_checkpoint
 from . import _torch_private
 from ._engine import OWN_CALL, REENTRANT_MESSAGE, region_context_fn
 from ._errors import ScopedCkptError
-from ._state import SCOPE, Scope
+from ._scope import decorate
+from ._state import DEFAULT_SCOPE, SCOPE, Scope
 
 __all__ = ["patch_torch_checkpoint"]
 
@@ -56,7 +56,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 _PATCHED: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "scopedckpt_patched", default=False
 )
-_DEFAULT_SCOPE = Scope(enabled=True, strict=False)
 _LOCK = threading.Lock()
 _USERS = 0
 _ORIGINALS: dict[str, Any] = {}
@@ -66,7 +65,7 @@ def _active_scope() -> Scope | None:
     """The scope a patched call makes its region in, or None for torch's own behaviour."""
     if not _PATCHED.get() or OWN_CALL.get() or not torch.is_grad_enabled():
         return None
-    scope = SCOPE.get() or _DEFAULT_SCOPE
+    scope = SCOPE.get() or DEFAULT_SCOPE
     return scope if scope.enabled else None
 
 
@@ -233,18 +232,4 @@ class patch_torch_checkpoint:  # noqa: N801 - reads like the docs: ``with patch_
 
     def __call__(self, func: F) -> F:
         """Use the patch as a decorator: every call of ``func`` runs inside a fresh block."""
-        if inspect.iscoroutinefunction(func):
-
-            @functools.wraps(func)
-            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                with patch_torch_checkpoint():
-                    return await func(*args, **kwargs)
-
-            return async_wrapper  # type: ignore[return-value]
-
-        @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with patch_torch_checkpoint():
-                return func(*args, **kwargs)
-
-        return wrapper  # type: ignore[return-value]
+        return decorate(patch_torch_checkpoint, func)

@@ -176,22 +176,27 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
 
     def __call__(self, func: F) -> F:
         """Use the scope as a decorator: every call of ``func`` runs inside it."""
-        if inspect.iscoroutinefunction(func):
+        # A fresh scope object per call keeps concurrent calls' tokens apart.
+        return decorate(self._fresh, func)
 
-            @functools.wraps(func)
-            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                with self._fresh():
-                    return await func(*args, **kwargs)
 
-            return async_wrapper  # type: ignore[return-value]
+def decorate(fresh: Callable[[], Any], func: F) -> F:
+    """Run every call of ``func`` (sync or async) inside a new ``fresh()`` context manager."""
+    if inspect.iscoroutinefunction(func):
 
         @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            # A fresh scope object per call keeps concurrent calls' tokens apart.
-            with self._fresh():
-                return func(*args, **kwargs)
+        async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+            with fresh():
+                return await func(*args, **kwargs)
 
-        return wrapper  # type: ignore[return-value]
+        return async_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with fresh():
+            return func(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _resolve(

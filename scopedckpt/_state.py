@@ -146,6 +146,10 @@ class Frame:
         return record
 
 
+# The scope of regions that other code asks for when no checkpointing() block is
+# active (Hugging Face's layers, torch's checkpoint under patch_torch_checkpoint).
+DEFAULT_SCOPE = Scope(enabled=True, strict=False)
+
 SCOPE: contextvars.ContextVar[Scope | None] = contextvars.ContextVar(
     "scopedckpt_scope", default=None
 )

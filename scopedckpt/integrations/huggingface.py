@@ -20,11 +20,10 @@ from torch import nn
 
 from .._engine import _region
 from .._errors import ScopedCkptError
-from .._state import SCOPE, Scope
+from .._state import DEFAULT_SCOPE, SCOPE
 
 __all__ = ["gradient_checkpointing_enable"]
 
-_DEFAULT_SCOPE = Scope(enabled=True, strict=False)
 
 
 def _layer_of(function: Callable[..., Any]) -> nn.Module | None:
@@ -47,7 +46,7 @@ def _checkpoint(function: Callable[..., Any], *args: Any, **torch_kwargs: Any) -
             "gradient_checkpointing_kwargs."
         )
     layer = _layer_of(function)
-    scope = SCOPE.get() or _DEFAULT_SCOPE
+    scope = SCOPE.get() or DEFAULT_SCOPE
     return _region(function, layer, args, {}, scope=scope)
 
 
