@@ -53,10 +53,16 @@ def _accelerator_generators() -> list[Access]:
     Only initialised devices: a region must not initialise CUDA by asking. Tests
     replace this function to check the device path without a device.
     """
-    accelerator = torch.accelerator.current_accelerator(check_available=True)
-    if accelerator is None:
+    api = getattr(torch, "accelerator", None)  # torch >= 2.6; CUDA alone before
+    if api is not None:
+        accelerator = api.current_accelerator(check_available=True)
+        if accelerator is None:
+            return []
+        module = torch.get_device_module(accelerator.type)
+    elif torch.cuda.is_available():
+        module = torch.cuda
+    else:
         return []
-    module = torch.get_device_module(accelerator.type)
     is_initialized = getattr(module, "is_initialized", None)
     if is_initialized is None or not is_initialized():
         return []

@@ -83,3 +83,24 @@ def test_generator_state_round_trips() -> None:
     first = torch.rand(3)
     torch.default_generator.set_state(state)
     assert torch.equal(torch.rand(3), first)
+
+
+def test_the_generators_patch_torch_checkpoint_swaps_keep_their_signatures() -> None:
+    """_patch.py replaces these module globals with functions of the same call shape."""
+    generator = inspect.signature(tc._checkpoint_without_reentrant_generator)
+    assert list(generator.parameters)[:6] == [
+        "fn",
+        "preserve_rng_state",
+        "context_fn",
+        "determinism_check",
+        "debug",
+        "early_stop",
+    ]
+    assert callable(tc.CheckpointFunction.apply)
+    source = inspect.getsource(tc.checkpoint)
+    assert "_checkpoint_without_reentrant_generator(" in source
+    assert "CheckpointFunction.apply(" in source
+    assert "context_fn, unpack_error_cb = _get_debug_context_and_cb()" in inspect.getsource(
+        tc._checkpoint_without_reentrant_generator
+    )
+    assert tc._checkpoint_debug_enabled is None  # the switch's default, read as torch reads it
