@@ -128,7 +128,7 @@ class Frame:
         if index >= len(self.tape.records):
             raise ScopedCkptError(
                 f"scopedckpt: the recompute of a checkpoint region made scoped call "
-                f"#{index} ({kind} of {describe(label)}), but its first forward made only "
+                f"#{index} ({kind} of {self.name(label)}), but its first forward made only "
                 f"{len(self.tape.records)} scoped calls. The region's control flow must "
                 "not depend on data that changes between forward and backward; move the "
                 "branch outside the region or checkpoint each branch separately."
@@ -137,13 +137,27 @@ class Frame:
         if record.kind != kind or record.owner_id != owner_id:
             raise ScopedCkptError(
                 f"scopedckpt: the recompute of a checkpoint region made scoped call "
-                f"#{index} as {kind} of {describe(label)}, but the first forward made call "
-                f"#{index} as {record.kind} of {describe(record.label)}. Replaying would use "
+                f"#{index} as {kind} of {self.name(label)}, but the first forward made call "
+                f"#{index} as {record.kind} of {self.name(record.label)}. Replaying would use "
                 "the wrong mask or statistics; the region's control flow must not depend "
                 "on data that changes between forward and backward."
             )
         self.cursor = index + 1
         return record
+
+    def name(self, label: object) -> str:
+        """A layer for an error message: torch's repr, and its module path where known.
+
+        Two ``Dropout(p=0.5)`` swapping places read the same by repr alone.
+        """
+        from torch import nn
+
+        text = describe(label)
+        if isinstance(label, nn.Module):
+            path = module_path(label, self)
+            if path.startswith("'"):
+                text += f" at {path.split(' (')[0]}"
+        return text
 
 
 # The scope of regions that other code asks for when no checkpointing() block is

@@ -333,3 +333,25 @@ def test_layers_that_only_read_the_cache_may_take_it() -> None:
     layer = Reader()
     with scopedckpt.checkpointing(layer):
         layer(torch.randn(2, 6, requires_grad=True), cache=DynamicCache()).sum().backward()
+
+
+def test_swapped_identical_layers_are_named_by_their_module_paths() -> None:
+    model = nn.Sequential(scopedckpt.Dropout(0.5), scopedckpt.Dropout(0.5))
+    calls: list[int] = []
+
+    def swapping(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        first, second = (model[0], model[1]) if len(calls) == 1 else (model[1], model[0])
+        return second(first(x))
+
+    x = torch.randn(4, 6, requires_grad=True)
+    with scopedckpt.checkpointing(root=model):
+        out = scopedckpt.checkpoint(swapping, x)
+    with pytest.raises(
+        scopedckpt.ScopedCkptError,
+        match=re.escape(
+            "made scoped call #0 as dropout of Dropout(p=0.5, inplace=False) at '1', but the "
+            "first forward made call #0 as dropout of Dropout(p=0.5, inplace=False) at '0'."
+        ),
+    ):
+        out.sum().backward()
