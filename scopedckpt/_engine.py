@@ -11,6 +11,9 @@ layers' records, the default generators' states (NOTE [ RNG replay ] in
 from __future__ import annotations
 
 import contextvars
+import functools
+import inspect
+import itertools
 import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -26,7 +29,7 @@ from ._state import FRAME, SCOPE, Frame, Phase, Record, Scope, Tape, describe, m
 __all__ = ["checkpoint", "checkpoint_sequential"]
 
 R = TypeVar("R")
-ContextFn = Callable[[], tuple[Any, Any]]
+ContextFn = _torch_private.ContextFn
 
 _REGION = "region"
 
@@ -124,11 +127,15 @@ def _check_no_cache(
     layer = owner if owner is not None else label
     if getattr(layer, "_can_checkpoint_with_cache", False) is True:
         return
-    named = [(f"positional argument #{i}", v) for i, v in enumerate(args)]
-    named += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
-    for name, value in named:
+    # Runs at every region entry: plain loops, names formatted only for the error.
+    named = itertools.chain(enumerate(args), kwargs.items())
+    for key, value in named:
         kind = type(value)
         if kind.__name__.endswith("Cache") and kind.__module__.startswith("transformers."):
+            if isinstance(key, int):
+                name = f"positional argument #{key}"
+            else:
+                name = f"keyword argument {key!r}"
             if owner is None:
                 where = describe(label)
             else:
@@ -184,18 +191,22 @@ def region_context_fn(
         # recompute must find nested targets patched (see _targets.Patches).
         weakref.finalize(recompute, patches.share().remove)
     COUNTERS.regions += 1
+    def ours() -> tuple[Any, Any]:
+        return forward, recompute
+
     if context_fn is None or context_fn is _torch_private.NOOP_CONTEXT_FN:
-        return fn, lambda: (forward, recompute)
-    user_context_fn = context_fn
+        return fn, ours
+    return fn, _torch_private.compose(ours, context_fn)
 
-    def composed() -> tuple[Any, Any]:
-        user_forward, user_recompute = user_context_fn()
-        return (
-            _torch_private.both(forward, user_forward),
-            _torch_private.both(recompute, user_recompute),
-        )
 
-    return fn, composed
+def layer_of(function: Callable[..., Any]) -> torch.nn.Module | None:
+    """The layer of ``partial(forward, layer, **kwargs)`` (how Hugging Face hands its
+    layers to a checkpoint function) or of a bound method, if ``function`` is one."""
+    if isinstance(function, functools.partial) and function.args:
+        first = function.args[0]
+        return first if isinstance(first, torch.nn.Module) else None
+    owner = getattr(function, "__self__", None)
+    return owner if isinstance(owner, torch.nn.Module) else None
 
 
 # Set while scopedckpt itself calls torch's checkpoint, so that a patched torch
@@ -451,12 +462,11 @@ def checkpoint_sequential(
     return run(end + 1, len(functions) - 1)(input)
 
 
+# The keywords checkpoint_sequential passes on: checkpoint's own, less use_reentrant.
 _CHECKPOINT_KEYWORDS = {
-    "context_fn",
-    "debug",
-    "determinism_check",
-    "early_stop",
-    "preserve_rng_state",
+    name
+    for name, parameter in inspect.signature(checkpoint).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name != "use_reentrant"
 }
 
 

@@ -110,7 +110,7 @@ class _Entry:
 
     module: nn.Module
     index: int
-    saved: list[Any]  # forward: (name, buffer, copy) triples; recompute: (name, real) pairs
+    saved: list[Any]  # (name, tensor): forward, copies before the call; recompute, the reals
     state: Any  # forward: the snapshot; recompute: the state to put back
 
 
@@ -151,13 +151,19 @@ def _same(a: Any, b: Tensor) -> bool:
     )
 
 
-def enter(frame: Frame, module: nn.Module) -> None:
-    """Before a guarded call: copy its state (forward) or swap in the recorded one."""
+def _count(frame: Frame, module: nn.Module) -> int:
+    """How many calls of ``module`` came before this one in the frame (and count this one)."""
     index = frame.calls.get(id(module), 0)
     frame.calls[id(module)] = index + 1
+    return index
+
+
+def enter(frame: Frame, module: nn.Module) -> None:
+    """Before a guarded call: copy its state (forward) or swap in the recorded one."""
+    index = _count(frame, module)
     stateful = _stateful(module)
     if frame.phase is not Phase.RECOMPUTE:
-        saved = [(n, b, b.clone()) for n, b in module_buffers(module).items() if b is not None]
+        saved = [(n, b.clone()) for n, b in module_buffers(module).items() if b is not None]
         state = _snapshot(module) if stateful else _NONE
         frame.guards.append(_Entry(module, index, saved, state))
         return
@@ -182,13 +188,12 @@ def enter(frame: Frame, module: nn.Module) -> None:
 
 
 def exit_(frame: Frame, module: nn.Module) -> None:
-    """After a guarded call: keep what changed (forward) or put the real state back."""
+    """After a guarded call: record the state before it (forward) or put the reals back."""
     entry: _Entry = frame.guards.pop()
     if frame.phase is not Phase.RECOMPUTE:
         if frame.scope.strict:
             _refuse_changes(frame, module, entry)
-        before = [(name, copy) for name, _, copy in entry.saved]
-        frame.tape.states[(id(module), entry.index)] = ModuleState(before, entry.state)
+        frame.tape.states[(id(module), entry.index)] = ModuleState(entry.saved, entry.state)
         return
     _put_back(entry)
 
@@ -196,7 +201,7 @@ def exit_(frame: Frame, module: nn.Module) -> None:
 def _refuse_changes(frame: Frame, module: nn.Module, entry: _Entry) -> None:
     """Strict mode: a module changing its buffers in a region is not on the fast path."""
     buffers = module_buffers(module)
-    changed = [name for name, _, copy in entry.saved if not _same(buffers.get(name), copy)]
+    changed = [name for name, copy in entry.saved if not _same(buffers.get(name), copy)]
     if changed:
         raise ScopedCkptError(
             f"scopedckpt: strict mode found {module_path(module, frame)} changing its "
@@ -231,7 +236,7 @@ def _pre_hook(module: nn.Module, args: Any) -> None:
     else:
         # Counted all the same: a buffer registered lazily during the first
         # forward must not shift the call indices the recompute looks up.
-        frame.calls[id(module)] = frame.calls.get(id(module), 0) + 1
+        _count(frame, module)
 
 
 def _post_hook(module: nn.Module, args: Any, output: Any) -> None:

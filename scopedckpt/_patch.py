@@ -44,7 +44,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from . import _torch_private
-from ._engine import OWN_CALL, REENTRANT_MESSAGE, region_context_fn
+from ._engine import OWN_CALL, REENTRANT_MESSAGE, layer_of, region_context_fn
 from ._errors import ScopedCkptError
 from ._scope import decorate
 from ._state import DEFAULT_SCOPE, SCOPE, Scope
@@ -69,14 +69,6 @@ def _active_scope() -> Scope | None:
     return scope if scope.enabled else None
 
 
-def _label(function: Callable[..., Any]) -> object:
-    """Name regions by the layer of ``partial(forward, layer)``, as Hugging Face builds them."""
-    if isinstance(function, functools.partial) and function.args:
-        if isinstance(function.args[0], torch.nn.Module):
-            return function.args[0]
-    return function
-
-
 def _generator(
     fn: Callable[..., Any],
     preserve_rng_state: bool,
@@ -96,7 +88,7 @@ def _generator(
     fn, contexts = region_context_fn(
         fn,
         None,
-        _label(fn),
+        layer_of(fn) or fn,  # name regions by their layer where there is one
         scope,
         args,
         kwargs,

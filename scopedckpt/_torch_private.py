@@ -45,6 +45,7 @@ __all__ = [
     "TorchDispatchMode",
     "bound_arguments",
     "checkpoint_debug_enabled",
+    "compose",
     "debug_composed",
     "draws_random_numbers",
     "module_buffers",
@@ -78,11 +79,7 @@ def _debug_context_and_cb() -> tuple[ContextFn, Any]:
         return debug_context_fn, callback
     _DEBUG_PENDING.set(None)  # one call only: nested regions inside push their own
 
-    def composed() -> tuple[Any, Any]:
-        (forward, recompute), (debug_forward, debug_recompute) = ours(), debug_context_fn()
-        return _Both(forward, debug_forward), _Both(recompute, debug_recompute)
-
-    return composed, callback
+    return compose(ours, debug_context_fn), callback
 
 
 @contextlib.contextmanager
@@ -121,12 +118,16 @@ class _Both:
             self._outer.__exit__(*exc)
 
 
-def both(outer: Any, inner: Any) -> Any:
-    """One context manager entering ``outer`` and then ``inner``."""
-    return _Both(outer, inner)
+def compose(outer: ContextFn, inner: ContextFn) -> ContextFn:
+    """A ``context_fn`` whose two contexts enter ``outer``'s and then ``inner``'s."""
+
+    def composed() -> tuple[Any, Any]:
+        (forward, recompute), (inner_forward, inner_recompute) = outer(), inner()
+        return _Both(forward, inner_forward), _Both(recompute, inner_recompute)
+
+    return composed
 
 
-NON_REENTRANT_GENERATOR: Callable[..., Any] = torch_checkpoint._checkpoint_without_reentrant_generator
 NOOP_CONTEXT_FN: ContextFn = torch_checkpoint.noop_context_fn
 
 

@@ -11,14 +11,13 @@ not imported here: the model brings its own methods.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from .._engine import _region
+from .._engine import REENTRANT_MESSAGE, _region, layer_of
 from .._errors import ScopedCkptError
 from .._state import DEFAULT_SCOPE, SCOPE
 
@@ -26,26 +25,15 @@ __all__ = ["gradient_checkpointing_enable"]
 
 
 
-def _layer_of(function: Callable[..., Any]) -> nn.Module | None:
-    """The layer of ``partial(forward, layer, **kwargs)``, as Hugging Face builds it."""
-    if isinstance(function, functools.partial) and function.args:
-        first = function.args[0]
-        if isinstance(first, nn.Module):
-            return first
-    owner = getattr(function, "__self__", None)
-    return owner if isinstance(owner, nn.Module) else None
-
-
 def _checkpoint(function: Callable[..., Any], *args: Any, **torch_kwargs: Any) -> Any:
     """What Hugging Face layers call instead of ``torch.utils.checkpoint.checkpoint``."""
     if torch_kwargs.get("use_reentrant"):
         raise ScopedCkptError(
-            "scopedckpt: Hugging Face asked for use_reentrant=True, which cannot be exact; "
-            "scopedckpt regions are non-reentrant. Enable checkpointing with "
+            f"{REENTRANT_MESSAGE} (Hugging Face asked for it: enable checkpointing with "
             "scopedckpt.integrations.huggingface.gradient_checkpointing_enable(model) and no "
-            "gradient_checkpointing_kwargs."
+            "gradient_checkpointing_kwargs.)"
         )
-    layer = _layer_of(function)
+    layer = layer_of(function)
     scope = SCOPE.get() or DEFAULT_SCOPE
     return _region(function, layer, args, {}, scope=scope)
 

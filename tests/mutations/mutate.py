@@ -182,8 +182,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "guard_records_only_changed_buffers",
         "scopedckpt/_guard.py",
-        "        before = [(name, copy) for name, _, copy in entry.saved]",
-        "        before = [(n, c) for n, b, c in entry.saved if not _same(module_buffers(module).get(n), c)]",
+        "ModuleState(entry.saved, entry.state)",
+        "ModuleState([(n, c) for n, c in entry.saved "
+        "if not _same(module_buffers(module).get(n), c)], entry.state)",
         ("tests/test_guard.py",),
         "a buffer a call left bitwise unchanged is updated for real by its recompute later",
     ),
