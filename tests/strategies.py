@@ -107,7 +107,9 @@ class Counter(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.training:
             self.steps += 1
-        return x * (1.0 + self.steps.clone() * 0.5)
+        # At most 1: a growing factor compounds over many calls and steps until both
+        # runs hold NaN, and NaN != NaN. A recompute counting twice reads another factor.
+        return x * (1.0 - (self.steps % 4).to(x.dtype) * 0.125)
 
 
 @st.composite
