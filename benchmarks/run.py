@@ -2,7 +2,9 @@
 
 Run by hand (not part of the test suite)::
 
-    pip install -e ".[bench]" && python benchmarks/run.py [--quick]
+    pip install -e ".[bench]" && python benchmarks/run.py [--quick] [--compiled]
+
+``--compiled`` runs only the torch.compile section instead (see compiled.py).
 
 Configurations, all over the same regions (one per block):
   (a) plain torch layers, no checkpointing
@@ -237,8 +239,16 @@ def dropout_step_ratio(repeats: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sweep, under 2 minutes")
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="only the torch.compile section (benchmarks/compiled.py)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
+    if args.compiled:
+        run_compiled(args.quick)
+        return
     repeats = 5 if args.quick else 15
     depths = (4, 8) if args.quick else (4, 8, 16, 32)
     RESULTS.mkdir(exist_ok=True)
@@ -292,6 +302,23 @@ def main() -> None:
         )
     )
     plot(rows)
+
+
+def run_compiled(quick: bool) -> None:
+    import compiled
+
+    depth = 4 if quick else 8
+    models = {
+        "issue mlp x4": lambda: compiled.issue_mlp(Blocks),
+        f"mlp x{depth}": lambda: mlp(depth),
+        f"transformer x{depth}": lambda: transformer(depth),
+        f"cnn x{depth}": lambda: cnn(depth),
+    }
+    rows = compiled.run(models, repeats=5 if quick else 21)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "compiled.json").write_text(
+        json.dumps({"rows": rows, "quick": quick, "torch": torch.__version__}, indent=2)
+    )
 
 
 def plot(rows: list[dict[str, object]]) -> None:

@@ -25,8 +25,8 @@ with _warnings.catch_warnings():
     import torch as _torch  # noqa: F401
 
 from . import functional, integrations
+from ._checkpoint import checkpoint, checkpoint_sequential
 from ._convert import ConvertWarning, convert
-from ._engine import checkpoint, checkpoint_sequential
 from ._errors import ScopedCkptError
 from ._guard import Stateful
 from ._layers import (

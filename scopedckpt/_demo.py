@@ -9,8 +9,8 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor, nn
 
+from ._checkpoint import checkpoint
 from ._convert import convert
-from ._engine import checkpoint
 from ._scope import checkpointing
 
 __all__ = ["main", "saved_activation_bytes"]

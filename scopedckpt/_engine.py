@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import inspect
 import itertools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -26,7 +25,7 @@ from . import _guard, _rng, _torch_private
 from ._errors import ScopedCkptError
 from ._state import FRAME, SCOPE, Frame, Phase, Record, Scope, Tape, describe, module_path
 
-__all__ = ["checkpoint", "checkpoint_sequential"]
+__all__ = ["region_context_fn"]
 
 R = TypeVar("R")
 ContextFn = _torch_private.ContextFn
@@ -42,7 +41,6 @@ class _Counters:
 
 
 COUNTERS = _Counters()
-_DETERMINISM_CHECKS = ("default", "none")
 
 
 class _EnterFrame:
@@ -191,6 +189,7 @@ def region_context_fn(
         # recompute must find nested targets patched (see _targets.Patches).
         weakref.finalize(recompute, patches.share().remove)
     COUNTERS.regions += 1
+
     def ours() -> tuple[Any, Any]:
         return forward, recompute
 
@@ -216,12 +215,9 @@ OWN_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
-# NOTE [ torch.compile ]
-# Regions, target dispatch and scoped layers run eagerly under torch.compile
-# (a graph break each): their decisions read context variables and their
-# masks come from per-call generators, which dynamo would otherwise guard on
-# and recompile for at every call. Region entry is skipped non-recursively, so
-# the code inside a region, and between scoped layers, is compiled as usual.
+# The eager region reads context variables and hands torch a context_fn, neither
+# of which dynamo can trace: compiled code reaches it only where NOTE
+# [ torch.compile ] in _compiled.py says so, through this graph break.
 @torch.compiler.disable(recursive=False)
 def _region(
     fn: Callable[..., R],
@@ -275,112 +271,6 @@ def _region(
         OWN_CALL.reset(token)
 
 
-def checkpoint(
-    fn: Callable[..., R],
-    *args: Any,
-    use_reentrant: bool | None = None,
-    context_fn: ContextFn | None = None,
-    determinism_check: str = "default",
-    debug: bool = False,
-    early_stop: bool = True,
-    preserve_rng_state: bool = True,
-    **kwargs: Any,
-) -> R:
-    """Run ``fn(*args, **kwargs)`` as a checkpoint region inside a scope.
-
-    Inside an enabled :func:`checkpointing` scope, with grad enabled, the
-    activations of ``fn`` are not kept for backward; backward recomputes them
-    exactly: scoped layers replay their records, other random ops replay the
-    default generators' stream, and buffers changed in forward are not changed
-    again. Outside a scope, or under ``torch.no_grad()``, it is the plain call
-    ``fn(*args, **kwargs)``, so model code can call it unconditionally and the
-    caller decides by scoping.
-
-    It takes every keyword of ``torch.utils.checkpoint.checkpoint`` with the
-    same meaning; like torch, those named keywords are consumed and every
-    other keyword goes to ``fn``.
-
-    Parameters
-    ----------
-    fn
-        The function or module to run.
-    *args
-        Positional arguments of ``fn``.
-    use_reentrant
-        ``False`` or unset. Regions are always non-reentrant; ``True`` raises.
-    context_fn
-        A callable returning two context managers (or dispatch modes), as for
-        torch: the first is entered around the first forward, the second
-        around every recompute, inside scopedckpt's own (e.g. torch's
-        ``create_selective_checkpoint_contexts``).
-    determinism_check
-        ``"default"`` (torch compares the shapes, dtypes and devices of
-        recomputed tensors) or ``"none"``.
-    debug
-        On a recompute mismatch, torch's error lists the ops of both runs
-        (``torch.utils.checkpoint.set_checkpoint_debug_enabled`` works too).
-    early_stop
-        Stop the recompute once every needed tensor is recomputed (torch's
-        default; ``set_checkpoint_early_stop`` overrides it). Exact either way.
-    preserve_rng_state
-        Replay randomness that no scoped layer draws (``F.dropout``, attention
-        ``dropout_p``, ``bernoulli_``, ``torch.rand``...) exactly, by giving
-        each recompute the default CPU and accelerator generators' states of
-        the first forward (see docs/index.md). ``False`` skips that stash:
-        still exact for scoped layers, wrong for any other random op.
-    **kwargs
-        Keyword arguments of ``fn``.
-
-    Returns
-    -------
-    Whatever ``fn`` returns.
-
-    Raises
-    ------
-    TypeError
-        If ``fn`` is not callable.
-    ValueError
-        If ``determinism_check`` is not one torch knows.
-    ScopedCkptError
-        If ``use_reentrant=True``.
-
-    Example
-    -------
-    >>> import torch, scopedckpt
-    >>> block = torch.nn.Sequential(torch.nn.Linear(4, 4), scopedckpt.Dropout(0.5))
-    >>> x = torch.randn(3, 4, requires_grad=True)
-    >>> with scopedckpt.checkpointing():
-    ...     y = scopedckpt.checkpoint(block, x, use_reentrant=False)
-    >>> y.sum().backward()   # recomputes block with the same dropout mask
-    >>> x.grad.shape
-    torch.Size([3, 4])
-    """
-    if not callable(fn):
-        raise TypeError(
-            f"scopedckpt: checkpoint expected a callable fn (a function or an "
-            f"nn.Module) as its first argument, but got {type(fn).__name__}. "
-            "Call it as scopedckpt.checkpoint(fn, *args, **kwargs)."
-        )
-    if use_reentrant:
-        raise ScopedCkptError(REENTRANT_MESSAGE)
-    if determinism_check not in _DETERMINISM_CHECKS:
-        raise ValueError(
-            f"scopedckpt: determinism_check must be one of {_DETERMINISM_CHECKS}, "
-            f"but got {determinism_check!r}."
-        )
-    return _region(
-        fn,
-        None,
-        args,
-        kwargs,
-        preserve_rng_state=preserve_rng_state,
-        determinism_check=determinism_check,
-        early_stop=early_stop,
-        debug=debug,
-        context_fn=context_fn,
-    )
-
-
 REENTRANT_MESSAGE = (
     "scopedckpt: checkpoint(use_reentrant=True) cannot be exact. Reentrant checkpointing "
     "reruns the region in a nested backward through an autograd.Function that takes no "
@@ -388,86 +278,6 @@ REENTRANT_MESSAGE = (
     "updated twice. Pass use_reentrant=False, or leave it unset: scopedckpt regions are "
     "always non-reentrant, which torch recommends as well."
 )
-
-
-def checkpoint_sequential(
-    functions: torch.nn.Sequential | Sequence[Callable[..., Any]],
-    segments: int,
-    input: Any,
-    *,
-    use_reentrant: bool | None = None,
-    **kwargs: Any,
-) -> Any:
-    """Run a sequence of functions in ``segments`` checkpoint regions, as torch does.
-
-    ``torch.utils.checkpoint.checkpoint_sequential`` with scopedckpt regions:
-    ``functions`` (an ``nn.Sequential`` or a list of callables) is split into
-    ``segments`` chunks of ``len // segments`` functions; every chunk but the
-    last is a region (inside a :func:`checkpointing` scope, with grad
-    enabled), the last runs plainly, like torch's.
-
-    Parameters
-    ----------
-    functions
-        The modules or functions to run in order, each taking one input.
-    segments
-        How many chunks to make.
-    input
-        The input of the first function.
-    use_reentrant
-        ``False`` or unset; ``True`` raises as in :func:`checkpoint`.
-    **kwargs
-        Keywords of :func:`checkpoint` (``preserve_rng_state``,
-        ``determinism_check``, ``debug``, ``early_stop``, ``context_fn``).
-
-    Returns
-    -------
-    The output of the last function.
-
-    Example
-    -------
-    >>> import torch, scopedckpt
-    >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
-    >>> x = torch.randn(2, 4, requires_grad=True)
-    >>> with scopedckpt.checkpointing():
-    ...     y = scopedckpt.checkpoint_sequential(model, 2, x, use_reentrant=False)
-    >>> y.sum().backward()
-    """
-    if use_reentrant:
-        raise ScopedCkptError(REENTRANT_MESSAGE)
-    unknown = set(kwargs) - _CHECKPOINT_KEYWORDS
-    if unknown:
-        raise ValueError(
-            f"scopedckpt: checkpoint_sequential got unexpected keyword arguments "
-            f"{sorted(unknown)}; it takes {sorted(_CHECKPOINT_KEYWORDS)}."
-        )
-    if isinstance(functions, torch.nn.Sequential):
-        functions = list(functions.children())
-    if not 0 < segments:
-        raise ValueError(f"scopedckpt: segments must be a positive int, got {segments!r}.")
-
-    def run(start: int, end: int) -> Callable[[Any], Any]:
-        def forward(x: Any) -> Any:
-            for j in range(start, end + 1):
-                x = functions[j](x)
-            return x
-
-        return forward
-
-    size = len(functions) // segments
-    end = -1
-    for start in range(0, size * (segments - 1), size):
-        end = start + size - 1
-        input = checkpoint(run(start, end), input, **kwargs)
-    return run(end + 1, len(functions) - 1)(input)
-
-
-# The keywords checkpoint_sequential passes on: checkpoint's own, less use_reentrant.
-_CHECKPOINT_KEYWORDS = {
-    name
-    for name, parameter in inspect.signature(checkpoint).parameters.items()
-    if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name != "use_reentrant"
-}
 
 
 def current_region_owner() -> object | None:

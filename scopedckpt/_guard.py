@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from ._errors import ScopedCkptError
-from ._state import FRAME, Frame, Phase, module_path
+from ._state import FRAME, MIRROR, Frame, Phase, module_path
 from ._torch_private import module_buffers
 
 __all__ = ["ModuleState", "Stateful", "acquire", "guarded_call", "release", "unwind"]
@@ -250,6 +250,7 @@ def acquire() -> None:
     global _USERS
     with _LOCK:
         _USERS += 1
+        MIRROR.eager = True
         if _USERS == 1:
             _HANDLES.append(nn.modules.module.register_module_forward_pre_hook(_pre_hook))
             _HANDLES.append(
@@ -263,6 +264,7 @@ def release() -> None:
     with _LOCK:
         _USERS -= 1
         if _USERS == 0:
+            MIRROR.eager = False
             for handle in _HANDLES:
                 handle.remove()
             _HANDLES.clear()

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from . import functional as SF
 from ._guard import self_guarded
-from ._state import Phase, tape_value
+from ._state import MIRROR, Phase, tape_value
 
 __all__ = [
     "AlphaDropout",
@@ -194,8 +194,15 @@ class _ScopedBatchNorm(nn.modules.batchnorm._BatchNorm):
     """Shared forward of the scoped batch-norm layers."""
 
     @self_guarded  # its own recompute path: the buffer guard skips it (NOTE [ buffer guard ])
-    @torch.compiler.disable  # see NOTE [ torch.compile ] in _engine.py
     def forward(self, input: Tensor) -> Tensor:
+        if torch.compiler.is_dynamo_compiling() and not MIRROR.eager:
+            # torch's checkpoint operator updates the statistics once by itself
+            # (NOTE [ torch.compile ] in _compiled.py).
+            return super().forward(input)
+        return self._scoped_forward(input)
+
+    @torch.compiler.disable  # reads the region's tape: eager only
+    def _scoped_forward(self, input: Tensor) -> Tensor:
         training, phase = tape_value("batch_norm", self, lambda: self.training)
         if phase is not Phase.RECOMPUTE:
             return super().forward(input)

@@ -5,14 +5,16 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import threading
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
-from . import _targets
-from ._state import SCOPE, Scope
+from . import _compiled, _targets
+from ._state import MIRROR, SCOPE, Scope
 
 __all__ = ["checkpointing"]
 
@@ -22,6 +24,19 @@ Predicate = Callable[[str, nn.Module], bool]
 Target = nn.Module | type | Predicate
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+# How many contexts, in all threads, are inside an enabled block (an enabled
+# block nested in an enabled one counts once): mirrored for compiled code.
+_ENABLED_LOCK = threading.Lock()
+_enabled_contexts = 0
+
+
+def _count_enabled(delta: int) -> None:
+    global _enabled_contexts
+    if delta:
+        with _ENABLED_LOCK:
+            _enabled_contexts += delta
+            MIRROR.regions = _enabled_contexts > 0
 
 
 class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing():``
@@ -118,7 +133,8 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         self._strict = strict
         self._root = root
         self._modules, self._classes = _resolve(targets, root)
-        self._entries: list[tuple[contextvars.Token[Scope | None], _targets.Patches]] = []
+        self._entries: list[tuple[contextvars.Token[Scope | None], _targets.Patches, int]] = []
+        self._traced: list[tuple[bool, list[tuple[nn.Module, Any]]]] = []
 
     def __repr__(self) -> str:
         parts = [
@@ -130,6 +146,9 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         return f"checkpointing({', '.join(parts)})"
 
     def __enter__(self) -> checkpointing:
+        if torch.compiler.is_dynamo_compiling():  # NOTE [ torch.compile ] in _compiled.py
+            self._traced.append(_compiled.enter_traced(self._modules, self._enabled))
+            return self
         parent = SCOPE.get()
         strict = self._strict
         if strict is None:
@@ -154,7 +173,9 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
             inherited + ((patches,) if patches.holders else ()),
             self._root if self._root is not None else (parent.root if parent else None),
         )
-        self._entries.append((SCOPE.set(scope), patches))
+        delta = int(self._enabled) - int(parent is not None and parent.enabled)
+        self._entries.append((SCOPE.set(scope), patches, delta))
+        _count_enabled(delta)
         return self
 
     def __exit__(
@@ -163,10 +184,14 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        token, patches = self._entries.pop()
+        if torch.compiler.is_dynamo_compiling():
+            _compiled.exit_traced(*self._traced.pop())
+            return
+        token, patches, delta = self._entries.pop()
         try:
             SCOPE.reset(token)
         finally:
+            _count_enabled(-delta)
             patches.remove()
 
     def _fresh(self) -> checkpointing:

@@ -172,6 +172,24 @@ FRAME: contextvars.ContextVar[Frame | None] = contextvars.ContextVar(
 )
 
 
+class CompiledView:
+    """What compiled code reads instead of the context variables above.
+
+    Dynamo cannot read a ``ContextVar`` without a graph break, so compiled code
+    reads these two process-wide flags, and guards on them (one graph per
+    value). See NOTE [ torch.compile ] in ``_compiled.py``.
+    """
+
+    def __init__(self) -> None:
+        # Instance attributes, not class attributes: dynamo guards on the
+        # instance's __dict__, and a first assignment would otherwise change it.
+        self.regions = False  # some thread is inside an enabled checkpointing() block
+        self.eager = False  # some eager region frame is active, in any thread
+
+
+MIRROR = CompiledView()
+
+
 def describe(owner: object) -> str:
     """A short name for error messages: the class and the torch ``repr`` details."""
     extra = getattr(owner, "extra_repr", None)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._compiled import compiled_region
 from ._engine import _region, current_region_owner
 from ._state import SCOPE
 
@@ -42,7 +43,7 @@ class _Patch:
 _PATCHES: dict[int, _Patch] = {}
 
 
-@torch.compiler.disable(recursive=False)  # see NOTE [ torch.compile ] in _engine.py
+@torch.compiler.disable(recursive=False)  # reads the scope: eager only
 def _regioned(
     forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -62,6 +63,8 @@ def _instance_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
     )
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():  # NOTE [ torch.compile ] in _compiled.py
+            return compiled_region(inner, module, args, kwargs)
         return _regioned(inner, module, args, kwargs)
 
     forward.__scopedckpt_patch__ = True  # type: ignore[attr-defined]
@@ -71,6 +74,8 @@ def _instance_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
 def _class_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():  # NOTE [ torch.compile ] in _compiled.py
+            return compiled_region(original.__get__(self), self, args, kwargs)
         return _regioned(original.__get__(self), self, args, kwargs)
 
     forward.__scopedckpt_patch__ = True  # type: ignore[attr-defined]

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ._errors import ScopedCkptError
 from ._mask import Mask, MaskedDropout
-from ._state import FRAME, Phase, describe, tape_value
+from ._state import FRAME, MIRROR, Phase, describe, tape_value
 from ._torch_private import scoped_draws
 
 __all__ = [
@@ -87,7 +87,15 @@ def _redraw(seed: int | None, owner: object) -> None:
         )
 
 
-@torch.compiler.disable  # see NOTE [ torch.compile ] in _engine.py
+# torch's own dropout ops by (feature, alpha): (out of place, in place).
+_TORCH_OPS = {
+    (False, False): (torch.dropout, torch.dropout_),
+    (True, False): (torch.feature_dropout, torch.feature_dropout_),
+    (False, True): (torch.alpha_dropout, torch.alpha_dropout_),
+    (True, True): (torch.feature_alpha_dropout, torch.feature_alpha_dropout_),
+}
+
+
 def _dropout(
     input: Tensor,
     p: float,
@@ -101,13 +109,44 @@ def _dropout(
     owner: object,
 ) -> Tensor:
     """The one dropout implementation behind every scoped function and layer."""
-
     if feature and input.dim() < 2:
         raise RuntimeError(
             f"scopedckpt: channel-wise dropout needs input with at least 2 dimensions "
             f"(N, C, ...), but got shape {tuple(input.shape)}. Use dropout or alpha_dropout "
             "for element-wise dropout."
         )
+    if torch.compiler.is_dynamo_compiling() and not MIRROR.eager and generator is None:
+        # Inductor's generator, replayed by torch's checkpoint operator
+        # (NOTE [ torch.compile ] in _compiled.py).
+        out_of_place, in_place = _TORCH_OPS[feature, alpha]
+        return (in_place if inplace else out_of_place)(input, p, training)
+    return _seeded_dropout(
+        input,
+        p,
+        training,
+        inplace,
+        generator,
+        save_mask,
+        feature=feature,
+        alpha=alpha,
+        owner=owner,
+    )
+
+
+@torch.compiler.disable  # reads the region's tape: eager only
+def _seeded_dropout(
+    input: Tensor,
+    p: float,
+    training: bool,
+    inplace: bool,
+    generator: torch.Generator | None,
+    save_mask: bool,
+    *,
+    feature: bool,
+    alpha: bool,
+    owner: object,
+) -> Tensor:
+    """Dropout from a per-call seed, recorded and replayed in regions (eager code)."""
 
     def decide() -> tuple[bool, int | None, bool]:
         if training and 0.0 < p < 1.0 and input.numel() > 0:

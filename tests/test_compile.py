@@ -1,14 +1,23 @@
-"""torch.compile (CPU, inductor): scoped layers and regions stay exact."""
+"""torch.compile (CPU, inductor): regions compile into one graph and stay exact.
+
+The reference for a compiled run with regions is the same compiled run without
+them: compiled numerics (fusion, inductor's dropout generator) differ from
+eager ones, so only compiled-vs-compiled can be bitwise (NOTE [ torch.compile ]).
+"""
 
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
+from torch._dynamo.utils import counters
 
 import scopedckpt
+from scopedckpt._state import MIRROR
 
 pytestmark = [
     pytest.mark.slow,
@@ -17,74 +26,387 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
 ]
 
+STEPS = 5  # with a new seed each step: no recompile may follow
 
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return scopedckpt.convert(
-        nn.Sequential(
-            nn.Linear(8, 8),
-            nn.BatchNorm1d(8),
-            nn.ReLU(),
-            nn.Dropout(0.3),
-            nn.Linear(8, 8),
-            nn.BatchNorm1d(8, momentum=None),
-            nn.Dropout(0.3),
-            nn.Linear(8, 2),
+
+class Stack(nn.Module):
+    """A stack of blocks (the module targets) and a head."""
+
+    def __init__(self, blocks: list[nn.Module], head: nn.Module) -> None:
+        super().__init__()
+        self.blocks, self.head = nn.ModuleList(blocks), head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Calls(Stack):
+    """The same, with every block run through scopedckpt.checkpoint."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = scopedckpt.checkpoint(block, x)
+        return self.head(x)
+
+
+def mlp(kind: type[Stack] = Stack) -> Stack:
+    def block() -> nn.Module:
+        return nn.Sequential(
+            nn.Linear(16, 16), nn.BatchNorm1d(16), nn.GELU(), nn.Dropout(0.2), nn.Linear(16, 16)
         )
-    )
+
+    return kind([block() for _ in range(3)], nn.Linear(16, 1))
 
 
-def _train(model: nn.Module, compiled: bool, checkpointed: bool, steps: int = 2) -> tuple:
-    model = copy.deepcopy(model)
-    run = torch.compile(model) if compiled else model
-    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(5))
-    torch.manual_seed(1)
-    outs, grads = [], []
-    for _ in range(steps):
-        with scopedckpt.checkpointing(*model.children(), enabled=checkpointed):
-            out = run(x)
-        out.square().sum().backward()
-        outs.append(out.detach())
-        grads.extend(p.grad.clone() for p in model.parameters())
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= 0.1 * p.grad
-                p.grad = None
-    return outs, grads, [b.clone() for b in model.buffers()], torch.get_rng_state()
+def transformer(kind: type[Stack] = Stack) -> Stack:
+    def layer() -> nn.Module:
+        return nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+
+    return kind([layer() for _ in range(2)], nn.Linear(16, 1))
 
 
-def test_compiled_model_matches_eager_with_and_without_regions() -> None:
-    torch._dynamo.reset()
-    model = _model()
-    eager = _train(model, compiled=False, checkpointed=False)
-    for checkpointed in (False, True):
-        outs, grads, buffers, rng = _train(model, compiled=True, checkpointed=checkpointed)
-        for a, b in zip(outs + grads, eager[0] + eager[1]):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-        for a, b in zip(buffers, eager[2]):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-        assert int(buffers[2]) == 2  # num_batches_tracked: once per step
-        assert torch.equal(rng, eager[3])  # same seeds drawn: masks replayed, not redrawn
+def cnn(kind: type[Stack] = Stack) -> Stack:
+    def block() -> nn.Module:
+        return nn.Sequential(
+            nn.Conv2d(4, 4, 3, padding=1, bias=False),
+            nn.BatchNorm2d(4),
+            nn.ReLU(),
+            nn.Dropout2d(0.2),
+        )
+
+    return kind([block() for _ in range(2)], nn.Conv2d(4, 1, 1))
 
 
-def test_graph_breaks_are_counted() -> None:
-    """The numbers reported in docs/compile.md, kept true by this test."""
-    from torch._dynamo.utils import counters
+INPUTS = {
+    "mlp": (mlp, (8, 16)),
+    "transformer": (transformer, (4, 6, 16)),
+    "cnn": (cnn, (4, 4, 6, 6)),
+}
 
+
+def _build(name: str, kind: type[Stack] = Stack) -> tuple[Stack, torch.Tensor]:
+    factory, shape = INPUTS[name]
+    torch.manual_seed(0)
+    model = scopedckpt.convert(factory(kind))
+    return model, torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+
+
+def _train(
+    model: Stack,
+    x: torch.Tensor,
+    where: str,
+    steps: int = STEPS,
+    retain_graph: bool = False,
+    fullgraph: bool = True,
+) -> tuple[list[torch.Tensor], dict[str, int]]:
+    """Train a copy compiled (fullgraph), return everything it produced and dynamo's counts.
+
+    ``where``: ``"none"`` (no scope), ``"outside"`` (``checkpointing(model.blocks)``
+    around the compiled call), ``"nested"`` (also each block's first child), ``"inside"`` / ``"inside-off"`` (the block inside the
+    compiled step, enabled or not), ``"calls"`` (the model calls checkpoint itself).
+    """
     torch._dynamo.reset()
     counters.clear()
+    model = copy.deepcopy(model)
+    compiled = torch.compile(model, fullgraph=fullgraph)
+
+    def inside(x: torch.Tensor) -> torch.Tensor:
+        with scopedckpt.checkpointing(model.blocks, enabled=where == "inside"):
+            return model(x).square().mean()
+
+    step = torch.compile(inside, fullgraph=True)
+    produced: list[torch.Tensor] = []
+    for seed in range(steps):
+        torch.manual_seed(100 + seed)
+        if where.startswith("inside"):
+            loss = step(x)
+        elif where in ("outside", "nested"):
+            inner = [next(block.children()) for block in model.blocks] if where == "nested" else []
+            with scopedckpt.checkpointing(model.blocks, *inner):
+                loss = compiled(x).square().mean()
+        else:
+            with scopedckpt.checkpointing(enabled=where == "calls"):
+                loss = compiled(x).square().mean()
+        if retain_graph:
+            loss.backward(retain_graph=True)
+        loss.backward()
+        produced.append(loss.detach())
+        produced.extend(p.grad.clone() for p in model.parameters())
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+                p.grad = None
+    produced.extend(b.clone() for b in model.buffers())
+    produced.append(torch.get_rng_state())
+    stats = {
+        "graphs": counters["stats"]["unique_graphs"],
+        "breaks": sum(counters["graph_break"].values()),
+    }
+    return produced, stats
+
+
+def _assert_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for index, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), f"tensor #{index} differs"
+
+
+def _tracked(model: Stack) -> list[int]:
+    return [
+        int(m.num_batches_tracked) for m in model.modules() if hasattr(m, "num_batches_tracked")
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(INPUTS))
+def test_scope_outside_the_compiled_call_is_exact_in_one_graph(name: str) -> None:
+    model, x = _build(name)
+    plain, plain_stats = _train(model, x, "none")
+    regions, stats = _train(model, x, "outside")
+    _assert_equal(regions, plain)
+    assert stats["graphs"] == plain_stats["graphs"] == 1  # no recompile across seeds
+    assert stats["breaks"] == 0
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_scope_inside_the_compiled_step_is_exact_in_one_graph(name: str) -> None:
+    model, x = _build(name)
+    plain, _ = _train(model, x, "inside-off")
+    regions, stats = _train(model, x, "inside")
+    _assert_equal(regions, plain)
+    assert stats == {"graphs": 1, "breaks": 0}
+
+
+def test_checkpoint_calls_in_compiled_code_are_exact_in_one_graph() -> None:
+    model, x = _build("mlp", Calls)
+    plain, _ = _train(model, x, "none")
+    regions, stats = _train(model, x, "calls")
+    _assert_equal(regions, plain)
+    assert (stats["graphs"], stats["breaks"]) == (1, 0)
+
+
+def _graph_ops(name: str, where: str) -> list[str]:
+    """The ops of the one graph dynamo captures for a forward (via explain)."""
+    model, x = _build(name)
+    torch._dynamo.reset()
+    if where == "outside":
+        with scopedckpt.checkpointing(model.blocks):
+            explanation = torch._dynamo.explain(model)(x)
+    else:
+        explanation = torch._dynamo.explain(model)(x)
+    assert explanation.graph_count == 1
+    assert explanation.graph_break_count == 0
+    return [
+        str(node.target)
+        for graph in explanation.graphs
+        for node in graph.graph.nodes
+        if node.op == "call_function"
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(INPUTS))
+def test_explain_finds_one_checkpoint_op_per_block(name: str) -> None:
+    ops = _graph_ops(name, "outside")
+    blocks = len(INPUTS[name][0]().blocks)
+    assert sum("tag_activation_checkpoint" in op for op in ops) == blocks
+    assert not any("tag_activation_checkpoint" in op for op in _graph_ops(name, "none"))
+
+
+def test_batch_norm_updates_once_per_step_in_compiled_regions() -> None:
+    model, x = _build("cnn")
+    compiled = torch.compile(model, fullgraph=True)
+    torch._dynamo.reset()
+    for _ in range(3):
+        with scopedckpt.checkpointing(model.blocks):
+            loss = compiled(x).square().mean()
+        loss.backward()
+    assert _tracked(model) == [3, 3]
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_nested_regions_are_exact(name: str) -> None:
+    model, x = _build(name)
+    plain, _ = _train(model, x, "none", steps=2)
+    nested, stats = _train(model, x, "nested", steps=2)
+    _assert_equal(nested, plain)
+    assert (stats["graphs"], stats["breaks"]) == (1, 0)
+
+
+def test_retain_graph_is_exact() -> None:
+    """Two backward passes replay the region twice.
+
+    (Measured, torch 2.13: with attention dropout *and* feed-forward dropout in
+    two compiled regions, torch's own compiled checkpoint draws other masks in the
+    second backward; see test_torch_compiled_checkpoint_second_backward below.)
+    """
+    model, x = _build("mlp")
+    with torch._functorch.config.patch(donated_buffer=False):  # needed by retain_graph
+        plain, _ = _train(model, x, "none", steps=2, retain_graph=True)
+        regions, _ = _train(model, x, "outside", steps=2, retain_graph=True)
+    _assert_equal(regions, plain)
+
+
+@pytest.mark.xfail(strict=True, reason="torch 2.13 inductor: second backward redraws masks")
+def test_torch_compiled_checkpoint_second_backward() -> None:
+    """Kept to notice when torch fixes it: then compiled regions are exact here too.
+
+    Only with more than one intra-op thread (the suite runs with one).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _second_backward_differs()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _second_backward_differs() -> None:
     torch.manual_seed(0)
-    model = scopedckpt.convert(
-        nn.Sequential(
-            nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.3), nn.Linear(8, 2)
-        )
+    layers = nn.ModuleList(
+        [nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True) for _ in range(2)]
     )
-    graphs: list[torch.fx.GraphModule] = []
 
-    def counting_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        graphs.append(gm)
-        return gm.forward
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            x = torch_checkpoint.checkpoint(layer, x, use_reentrant=False)
+        return x
 
-    torch.compile(model, backend=counting_backend)(torch.randn(6, 8)).sum().backward()
-    assert sum(counters["graph_break"].values()) == 3
-    assert len(graphs) == 0  # the breaks sit in Sequential's loop: dynamo runs it eagerly
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(donated_buffer=False):
+        loss = torch.compile(run)(torch.randn(4, 10, 32)).square().mean()
+        first = torch.autograd.grad(loss, list(layers.parameters()), retain_graph=True)
+        second = torch.autograd.grad(loss, list(layers.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+class Breaking(nn.Module):
+    """A block whose forward dynamo cannot trace in one piece."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.bn = scopedckpt.BatchNorm1d(8)
+        self.plain_bn = nn.BatchNorm1d(8)
+        self.drop = scopedckpt.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.bn(self.linear(x)))
+        torch._dynamo.graph_break()
+        return self.plain_bn(torch.dropout(x, 0.2, True))
+
+
+def test_a_region_with_a_graph_break_runs_eagerly_and_exactly() -> None:
+    """Dynamo runs torch's checkpoint eagerly then; our body enters the frames itself."""
+
+    def train(compiled: bool, checkpointed: bool) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Stack([Breaking(), Breaking()], nn.Identity())
+        run = torch.compile(model) if compiled else model
+        x = torch.randn(6, 8)
+        produced: list[torch.Tensor] = []
+        for seed in range(3):
+            torch.manual_seed(seed)
+            with scopedckpt.checkpointing(model.blocks, enabled=checkpointed):
+                loss = run(x).square().sum()
+            loss.backward()
+            produced.append(loss.detach())
+            produced.extend(p.grad.clone() for p in model.parameters())
+            model.zero_grad()
+        assert _tracked(model) == [3, 3, 3, 3]
+        return produced + [b.clone() for b in model.buffers()]
+
+    _assert_equal(
+        train(compiled=True, checkpointed=True), train(compiled=False, checkpointed=False)
+    )
+
+
+def test_compiled_code_inside_an_eager_region_takes_the_eager_path() -> None:
+    """An eager region's recompute reruns the compiled block: scoped layers must not
+    update twice, so they leave the graph (exact, like the eager region itself)."""
+    torch.manual_seed(0)
+    block = nn.Sequential(
+        nn.Linear(8, 8), scopedckpt.BatchNorm1d(8), nn.BatchNorm1d(8), scopedckpt.Dropout(0.3)
+    )
+    reference = copy.deepcopy(block)
+    x = torch.randn(6, 8, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(block)
+    torch.manual_seed(1)
+    with scopedckpt.checkpointing():
+        out = scopedckpt.checkpoint(compiled, x)
+    out.square().sum().backward()
+    grads = [p.grad for p in block.parameters()]
+    torch.manual_seed(1)
+    expected = reference(x)
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected)  # the same masks: eager scoped dropout
+    for a, b in zip(grads, [p.grad for p in reference.parameters()]):
+        torch.testing.assert_close(a, b)
+    assert _tracked(block) == [1, 1]
+    assert not MIRROR.eager
+
+
+def test_a_scoped_dropout_with_its_own_generator_leaves_the_graph() -> None:
+    drop = scopedckpt.Dropout(0.5, generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="disable"):
+        torch.compile(lambda x: drop(x) * 2, fullgraph=True)(torch.ones(8))
+    drop.generator = None
+    torch.compile(lambda x: drop(x) * 2, fullgraph=True)(torch.ones(8))
+
+
+def test_the_mirror_follows_scopes_and_frames() -> None:
+    assert (MIRROR.regions, MIRROR.eager) == (False, False)
+    with scopedckpt.checkpointing():
+        assert MIRROR.regions
+        with scopedckpt.checkpointing(enabled=False):
+            assert not MIRROR.regions
+        assert MIRROR.regions
+        seen: list[bool] = []
+        x = torch.ones(2, requires_grad=True)
+        y = scopedckpt.checkpoint(lambda t: (seen.append(MIRROR.eager), t.sin())[1], x)
+    assert (MIRROR.regions, MIRROR.eager) == (False, False)
+    y.sum().backward()
+    assert seen == [True, True]  # the first forward and the recompute
+    assert not MIRROR.eager
+
+
+def test_a_compiled_thread_beside_an_eager_scoped_thread_trains_exactly() -> None:
+    """The mirror is one per process (the documented rule): another thread's scope
+    and eager regions decide whether a compiled call makes regions or leaves the
+    graph at scoped layers. Either way batch norm is updated once per step and, with
+    no masks drawn, training agrees with a run alone (float tolerance: where the
+    graph breaks changes fusion)."""
+    model, x = _build("mlp")
+    eager_model, _ = _build("mlp")
+    for module in [*model.modules(), *eager_model.modules()]:
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0  # threads share the default generator (docs/distributed.md)
+    alone, _ = _train(model, x, "none", steps=3, fullgraph=False)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def eager_worker() -> None:
+        y = torch.randn(8, 16)
+        try:
+            while not stop.is_set():
+                with scopedckpt.checkpointing(eager_model.blocks):
+                    loss = eager_model(y).square().mean()
+                loss.backward()
+        except BaseException as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    worker = threading.Thread(target=eager_worker)
+    worker.start()
+    try:
+        threaded, _ = _train(model, x, "none", steps=3, fullgraph=False)
+    finally:
+        stop.set()
+        worker.join()
+    assert not errors
+    for a, b in zip(threaded[:-1], alone[:-1]):  # all but the generator state
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    counts = [int(t) for t in threaded if t.dtype == torch.int64 and t.dim() == 0]
+    assert counts == [3, 3, 3]  # num_batches_tracked of the three blocks

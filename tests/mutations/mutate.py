@@ -220,6 +220,47 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_dropin.py",),
         "checkpoint(context_fn=...) silently ignores the user's contexts",
     ),
+    # The compiled path (NOTE [ torch.compile ] in _compiled.py).
+    Mutant(
+        "compiled_code_makes_no_regions",
+        "scopedckpt/_compiled.py",
+        "    if not MIRROR.regions or not torch.is_grad_enabled():",
+        "    if True:",
+        ("tests/test_compile.py",),
+        "compiled models silently train without checkpointing (no memory saved)",
+    ),
+    Mutant(
+        "graph_break_fallback_enters_no_frames",
+        "scopedckpt/_compiled.py",
+        "        return self._eager(args, kwargs)",
+        "        return self.fn(*args, **kwargs)",
+        ("tests/test_compile.py",),
+        "a region with a graph break runs as torch's eager checkpoint: batch norm twice",
+    ),
+    Mutant(
+        "compiled_bn_ignores_eager_regions",
+        "scopedckpt/_layers.py",
+        "        if torch.compiler.is_dynamo_compiling() and not MIRROR.eager:",
+        "        if torch.compiler.is_dynamo_compiling():",
+        ("tests/test_compile.py",),
+        "compiled code rerun by an eager region's recompute updates batch norm twice",
+    ),
+    Mutant(
+        "scope_branch_reads_the_global_compiling_flag",
+        "scopedckpt/_scope.py",
+        "        if torch.compiler.is_dynamo_compiling():  # NOTE [ torch.compile ] in _compiled.py",
+        "        if torch.compiler.is_compiling():",
+        ("tests/test_compile.py",),
+        "an eager scope takes the traced branch while another thread compiles",
+    ),
+    Mutant(
+        "compiled_dropout_leaves_the_graph",
+        "scopedckpt/functional.py",
+        "    if torch.compiler.is_dynamo_compiling() and not MIRROR.eager and generator is None:",
+        "    if False:",
+        ("tests/test_compile.py",),
+        "every scoped dropout is a graph break under torch.compile",
+    ),
 )
 
 
