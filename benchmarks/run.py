@@ -37,6 +37,9 @@ from torch import nn
 import scopedckpt
 from scopedckpt._demo import saved_activation_bytes
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import heap  # benchmarks/heap.py, next to this file
+
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = ("a", "b", "c", "d", "e")
 NAMES = {
@@ -112,7 +115,20 @@ def cnn(depth: int) -> tuple[Blocks, torch.Tensor]:
     return Blocks([ResBlock(c) for _ in range(depth)], stem, head), torch.randn(16, 3, 32, 32)
 
 
+def small_mlp(depth: int) -> tuple[Blocks, torch.Tensor]:
+    """Small ops, where per-region Python shows: Linear(256)-BN-GELU-Dropout-Linear, batch 128."""
+    w = 256
+    blocks = [
+        nn.Sequential(
+            nn.Linear(w, w), nn.BatchNorm1d(w), nn.GELU(), nn.Dropout(0.1), nn.Linear(w, w)
+        )
+        for _ in range(depth)
+    ]
+    return Blocks(blocks, nn.Identity(), nn.Linear(w, 10)), torch.randn(128, w)
+
+
 MODELS: dict[str, Callable[[int], tuple[Blocks, torch.Tensor]]] = {
+    "small_mlp": small_mlp,
     "mlp": mlp,
     "transformer": transformer,
     "cnn": cnn,
@@ -204,6 +220,36 @@ def peak_rss_mib(kind: str, depth: int, config: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def peak_heap_mib(kind: str, depth: int, config: str) -> float:
+    """Peak heap bytes in use during a step (after a warm-up step), above those before it."""
+    model, x = build(kind, depth, config)
+    step(model, x)
+    return heap.peak_in_use(lambda: step(model, x)) / 2**20
+
+
+def measurement_overheads(kind: str, depth: int, repeats: int) -> dict[str, float]:
+    """What measuring costs (c): the heap sampler, and scopedckpt.memory_report()."""
+    model, x = build(kind, depth, "c")
+    step(model, x)
+
+    def reported() -> None:
+        with scopedckpt.memory_report():
+            step(model, x)
+
+    plain, with_report = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step(model, x)
+        plain.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        reported()
+        with_report.append(time.perf_counter() - start)
+    return {
+        "heap sampler": heap.sampling_overhead(lambda: step(model, x), repeats),
+        "memory_report": statistics.median(with_report) / statistics.median(plain),
+    }
+
+
 def dropout_bytes_per_element() -> dict[str, float]:
     """Bytes a lone dropout keeps for backward, per input element."""
     x = torch.randn(1 << 20, requires_grad=True)
@@ -218,22 +264,27 @@ def dropout_bytes_per_element() -> dict[str, float]:
     return result
 
 
-def dropout_step_ratio(repeats: int) -> dict[str, float]:
-    """Forward+backward time of the two scoped mask options relative to nn.Dropout."""
-    x = torch.randn(1 << 20, requires_grad=True)
-    layers = {
-        "nn": nn.Dropout(0.1),
-        "save": scopedckpt.Dropout(0.1),
-        "regen": scopedckpt.Dropout(0.1, save_mask=False),
-    }
-    times: dict[str, list[float]] = {k: [] for k in layers}
-    for _ in range(repeats):
-        for k, layer in layers.items():
-            start = time.perf_counter()
-            layer(x).sum().backward()
-            times[k].append(time.perf_counter() - start)
-    base = statistics.median(times["nn"])
-    return {k: statistics.median(v) / base for k, v in times.items()}
+def dropout_step_ratio(repeats: int) -> dict[str, dict[str, float]]:
+    """Forward+backward time of the two scoped mask options relative to nn.Dropout, by size."""
+    result = {}
+    for rows, cols in ((64, 64), (256, 256), (1024, 1024)):
+        x = torch.randn(rows, cols, requires_grad=True)
+        layers = {
+            "nn": nn.Dropout(0.1),
+            "save": scopedckpt.Dropout(0.1),
+            "regen": scopedckpt.Dropout(0.1, save_mask=False),
+        }
+        times: dict[str, list[float]] = {k: [] for k in layers}
+        n = max(1, (1 << 16) // (rows * cols)) * 4  # calls per sample: enough to time
+        for _ in range(repeats):
+            for k, layer in layers.items():
+                start = time.perf_counter()
+                for _ in range(n):
+                    layer(x).sum().backward()
+                times[k].append(time.perf_counter() - start)
+        base = statistics.median(times["nn"])
+        result[f"{rows}x{cols}"] = {k: statistics.median(v) / base for k, v in times.items()}
+    return result
 
 
 def main() -> None:
@@ -257,10 +308,12 @@ def main() -> None:
         for depth in depths:
             rows.append(measure(kind, depth, repeats))
             print(f"measured {kind} depth {depth}", file=sys.stderr)
-    rss = {}
+    rss, heap_peak, overheads = {}, {}, {}
     for kind in MODELS:
         depth = depths[-1]
         rss[kind] = {c: peak_rss_mib(kind, depth, c) for c in CONFIGS}
+        heap_peak[kind] = {c: peak_heap_mib(kind, depth, c) for c in CONFIGS}
+        overheads[kind] = measurement_overheads(kind, depth, repeats)
     per_element = dropout_bytes_per_element()
     dropout_ratio = dropout_step_ratio(repeats * 4)
 
@@ -277,22 +330,33 @@ def main() -> None:
             f"{s['a'] / 2**20:>13.2f}{s['b'] / 2**20:>8.2f}{s['c'] / 2**20:>8.2f}{s['d'] / 2**20:>8.2f}"
         )
     print(
-        f"\npeak RSS a step adds at depth {depths[-1]} (MiB above the RSS before it, own subprocess):"
+        f"\npeak heap in use during a step at depth {depths[-1]} (MiB above the heap before it, "
+        "mallinfo2 after every aten op):"
+    )
+    for kind, values in heap_peak.items():
+        print(f"  {kind:<12}" + "  ".join(f"{NAMES[c]}: {v:.2f}" for c, v in values.items()))
+    print(
+        f"\npeak RSS a step adds at depth {depths[-1]} (MiB above the RSS before it, own "
+        "subprocess; glibc's dynamic mmap threshold makes it vary, see docs/benchmarks.md):"
     )
     for kind, values in rss.items():
         print(f"  {kind:<12}" + "  ".join(f"{NAMES[c]}: {v:.0f}" for c, v in values.items()))
+    print("\nstep time of (c) with the heap sampler / memory_report() on, over off:")
+    for kind, values in overheads.items():
+        print(f"  {kind:<12}" + "  ".join(f"{k}: {v:.3f}" for k, v in values.items()))
     print("\ndropout alone, bytes kept for backward per element:")
     for name, value in per_element.items():
         print(f"  {name:<40}{value:.3f}")
-    print(
-        "dropout alone, forward+backward time relative to nn.Dropout: "
-        + ", ".join(f"{k}: {v:.2f}" for k, v in dropout_ratio.items())
-    )
+    print("dropout alone, forward+backward time relative to nn.Dropout (save: save_mask=True):")
+    for size, ratios in dropout_ratio.items():
+        print(f"  {size:<12}" + ", ".join(f"{k}: {v:.2f}" for k, v in ratios.items()))
     (RESULTS / "results.json").write_text(
         json.dumps(
             {
                 "rows": rows,
                 "peak_rss_mib": rss,
+                "peak_heap_in_use_mib": heap_peak,
+                "measurement_overheads": overheads,
                 "dropout_bytes_per_element": per_element,
                 "dropout_time_ratio": dropout_ratio,
                 "quick": args.quick,

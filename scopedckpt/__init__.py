@@ -40,6 +40,7 @@ from ._layers import (
     Dropout3d,
     FeatureAlphaDropout,
 )
+from ._report import MemoryReport, memory_report
 from ._scope import checkpointing
 from ._state import Phase, is_recomputing, phase, replay
 
@@ -56,6 +57,7 @@ __all__ = [
     "Dropout2d",
     "Dropout3d",
     "FeatureAlphaDropout",
+    "MemoryReport",
     "Phase",
     "ScopedCkptError",
     "Stateful",
@@ -66,6 +68,7 @@ __all__ = [
     "functional",
     "integrations",
     "is_recomputing",
+    "memory_report",
     "phase",
     "replay",
 ]

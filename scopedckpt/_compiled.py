@@ -19,11 +19,14 @@ It does not need it either:
   process-wide flag that torch 2.13 holds True for a whole compile session, so
   eager code in *another thread* sees True while one thread compiles
   (measured: an eager ``checkpointing`` exit took the traced branch).
-* Scopes become a process-wide mirror, ``_state.MIRROR``: two bools that
-  compiled code reads and dynamo guards on (one graph per value, no
-  recompile per step). ``regions``: some thread is inside an enabled
-  ``checkpointing()`` block; a block entered inside a compiled function sets
-  it at trace time. ``eager``: some eager region frame is active.
+* Scopes become a per-thread mirror, ``_state.MIRROR`` (a
+  ``threading.local``): two bools that compiled code reads and dynamo guards
+  on, per thread (one graph per value, no recompile per step).
+  ``regions``: this thread is inside an enabled ``checkpointing()`` block; a
+  block entered inside a compiled function sets it at trace time. ``eager``:
+  this thread runs an eager region frame. A process-wide mirror was tried
+  first: another thread's scope then changed it while dynamo traced, and
+  dynamo failed with ``SpeculationLogDivergence`` on its restart (measured).
 * A compiled call with ``regions`` set and grad enabled wraps each region in
   torch's checkpoint (:func:`compiled_region`); module targets are selected by
   the forward patch :func:`scopedckpt._targets.install` put on them (entered
@@ -42,11 +45,12 @@ It does not need it either:
   body is therefore an :class:`_EagerFallback`, which in that case enters the
   region's frames itself (its first call is the first forward, every later
   call a recompute) and is exact, at eager speed.
-* Threads: the mirror is one per process. A compiled call makes regions while
-  *any* thread is inside an enabled block, and traces eager-path layers while
-  any thread runs an eager region. Results are exact either way; the other
-  threads' scopes change only how much memory the call keeps and where it
-  breaks its graph (documented in docs/distributed.md).
+* Threads and tasks: the mirror follows the thread, not the context. A
+  thread started with ``contextvars.copy_context().run`` sees its creator's
+  scope in eager code but not in compiled code; asyncio tasks sharing a
+  thread share its mirror. Either way results stay exact (a compiled region
+  is exact by itself); only the memory a compiled call keeps changes
+  (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
-from ._engine import ContextFn, _region, region_context_fn
+from ._engine import ContextFn, region_context_fn, region_outside_dynamo
 from ._state import DEFAULT_SCOPE, MIRROR, SCOPE
 
 __all__ = ["compiled_region", "enter_traced", "exit_traced"]
@@ -117,7 +121,7 @@ def compiled_region(
 ) -> Any:
     """A region as compiled code runs it (NOTE [ torch.compile ])."""
     if MIRROR.eager:
-        return _region(
+        return region_outside_dynamo(
             fn,
             owner,
             args,

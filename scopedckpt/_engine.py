@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from . import _guard, _rng, _torch_private
+from . import _guard, _report, _rng, _torch_private
 from ._errors import ScopedCkptError
 from ._state import FRAME, SCOPE, Frame, Phase, Record, Scope, Tape, describe, module_path
 
@@ -73,6 +73,7 @@ class _EnterFrame:
                 _rng.RngStash | None,
             ]
         ] = []
+        self._measures: list[Any] = []  # memory report: a hook (forward) or a start time
 
     def __enter__(self) -> None:
         strict_mode = None
@@ -90,6 +91,14 @@ class _EnterFrame:
         self._entries.append(
             (SCOPE.set(self._scope), FRAME.set(frame), frame, strict_mode, saved_rng)
         )
+        stats = self._tape.stats
+        if stats is not None:  # NOTE [ memory report ] in _report.py
+            if self._phase is Phase.FORWARD:
+                counting = _report.counting_saved_tensors(stats)
+                counting.__enter__()
+                self._measures.append(counting)
+            else:
+                self._measures.append(_report.now())
 
     def __exit__(
         self,
@@ -98,6 +107,14 @@ class _EnterFrame:
         tb: TracebackType | None,
     ) -> None:
         scope_token, frame_token, frame, strict_mode, saved_rng = self._entries.pop()
+        stats = self._tape.stats
+        if stats is not None:
+            measure = self._measures.pop()
+            if self._phase is Phase.FORWARD:
+                measure.__exit__(exc_type, exc, tb)
+                _report.finish_forward(stats, self._tape)
+            else:
+                _report.recomputed(stats, _report.now() - measure)
         try:
             _guard.unwind(frame)
         finally:
@@ -177,6 +194,7 @@ def region_context_fn(
         forward = _EnterFrame(Phase.RECOMPUTE, tape, scope, owner, rewind=False)
     else:
         tape = Tape(rng=_rng.stash() if preserve_rng_state else None)
+        tape.stats = _report.start(owner, label, scope.root, args, kwargs)
         if parent is not None:
             parent.tape.records.append(Record(_REGION, owner_id, label, tape))
         forward = _EnterFrame(Phase.FORWARD, tape, scope, owner, rewind=False)
@@ -215,10 +233,6 @@ OWN_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
-# The eager region reads context variables and hands torch a context_fn, neither
-# of which dynamo can trace: compiled code reaches it only where NOTE
-# [ torch.compile ] in _compiled.py says so, through this graph break.
-@torch.compiler.disable(recursive=False)
 def _region(
     fn: Callable[..., R],
     owner: object | None,
@@ -269,6 +283,13 @@ def _region(
         return torch_checkpoint.checkpoint(fn, *args, context_fn=contexts, **options, **kwargs)
     finally:
         OWN_CALL.reset(token)
+
+
+# The eager region reads context variables and hands torch a context_fn, neither
+# of which dynamo can trace: compiled code reaches it only where NOTE
+# [ torch.compile ] in _compiled.py says so, through this graph break. Eager
+# callers call _region itself: the wrapper costs microseconds per call.
+region_outside_dynamo = torch.compiler.disable(_region, recursive=False)
 
 
 REENTRANT_MESSAGE = (

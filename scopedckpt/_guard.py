@@ -10,7 +10,8 @@ as the first forward did:
 
 * While any region frame is active, in any thread, a global module forward
   pre-hook and forward hook (``always_call``) are installed (reference-counted
-  by frame entries; they return at once in contexts without a frame).
+  by frame entries; they return at once in contexts without a frame, and
+  trace to nothing in compiled code that runs in no eager frame).
 * *What is guarded:* the registered buffers (``module._buffers``, not those of
   submodules: each submodule is guarded at its own call) of every module
   called through ``__call__`` inside a region, and the region's owner module
@@ -228,6 +229,10 @@ def unwind(frame: Frame) -> None:
 
 
 def _pre_hook(module: nn.Module, args: Any) -> None:
+    if torch.compiler.is_dynamo_compiling() and not MIRROR.eager:
+        # Compiled code with no eager frame in this thread has nothing to
+        # guard: trace nothing (NOTE [ torch.compile ] in _compiled.py).
+        return
     frame = FRAME.get()
     if frame is None:
         return
@@ -240,17 +245,25 @@ def _pre_hook(module: nn.Module, args: Any) -> None:
 
 
 def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
+    if torch.compiler.is_dynamo_compiling() and not MIRROR.eager:
+        return
     frame = FRAME.get()
     if frame is not None and frame.guards and frame.guards[-1].module is module:
         exit_(frame, module)
 
 
 def acquire() -> None:
-    """Install the global hooks while at least one frame is active."""
+    """Install the global hooks while at least one frame is active, in any thread.
+
+    Per frame, not per region alive: compiled code that runs between regions
+    (a compiled head) then meets no hooks, and dynamo neither traces them nor
+    recompiles when they come and go.
+    """
     global _USERS
+    MIRROR.frames += 1
+    MIRROR.eager = True
     with _LOCK:
         _USERS += 1
-        MIRROR.eager = True
         if _USERS == 1:
             _HANDLES.append(nn.modules.module.register_module_forward_pre_hook(_pre_hook))
             _HANDLES.append(
@@ -261,10 +274,11 @@ def acquire() -> None:
 def release() -> None:
     """Remove the global hooks when the last active frame ends."""
     global _USERS
+    MIRROR.frames -= 1
+    MIRROR.eager = MIRROR.frames > 0
     with _LOCK:
         _USERS -= 1
         if _USERS == 0:
-            MIRROR.eager = False
             for handle in _HANDLES:
                 handle.remove()
             _HANDLES.clear()

@@ -195,13 +195,14 @@ class _ScopedBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     @self_guarded  # its own recompute path: the buffer guard skips it (NOTE [ buffer guard ])
     def forward(self, input: Tensor) -> Tensor:
-        if torch.compiler.is_dynamo_compiling() and not MIRROR.eager:
-            # torch's checkpoint operator updates the statistics once by itself
-            # (NOTE [ torch.compile ] in _compiled.py).
-            return super().forward(input)
+        if torch.compiler.is_dynamo_compiling():
+            if not MIRROR.eager:
+                # torch's checkpoint operator updates the statistics once by
+                # itself (NOTE [ torch.compile ] in _compiled.py).
+                return super().forward(input)
+            return self._scoped_forward_outside_dynamo(input)
         return self._scoped_forward(input)
 
-    @torch.compiler.disable  # reads the region's tape: eager only
     def _scoped_forward(self, input: Tensor) -> Tensor:
         training, phase = tape_value("batch_norm", self, lambda: self.training)
         if phase is not Phase.RECOMPUTE:
@@ -229,6 +230,10 @@ class _ScopedBatchNorm(nn.modules.batchnorm._BatchNorm):
             momentum,
             self.eps,
         )
+
+    @torch.compiler.disable  # reads the region's tape: compiled code calls it behind a break
+    def _scoped_forward_outside_dynamo(self, input: Tensor) -> Tensor:
+        return self._scoped_forward(input)
 
 
 _BN_DOC = """Batch normalisation over {what}, updating running statistics once per step.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import threading
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
@@ -25,18 +24,12 @@ Target = nn.Module | type | Predicate
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
-# How many contexts, in all threads, are inside an enabled block (an enabled
-# block nested in an enabled one counts once): mirrored for compiled code.
-_ENABLED_LOCK = threading.Lock()
-_enabled_contexts = 0
-
-
 def _count_enabled(delta: int) -> None:
-    global _enabled_contexts
+    """Keep this thread's ``MIRROR.regions`` (for compiled code) with the scopes:
+    an enabled block nested in an enabled one counts once."""
     if delta:
-        with _ENABLED_LOCK:
-            _enabled_contexts += delta
-            MIRROR.regions = _enabled_contexts > 0
+        MIRROR.enabled_blocks += delta
+        MIRROR.regions = MIRROR.enabled_blocks > 0
 
 
 class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing():``

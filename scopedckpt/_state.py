@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextvars
 import enum
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -108,6 +109,7 @@ class Tape:
     records: list[Record] = field(default_factory=list)
     rng: Any = None  # _rng.RngStash, or None when the region does not replay the RNG
     states: dict[tuple[int, int], Any] = field(default_factory=dict)  # _guard.ModuleState
+    stats: Any = None  # _report.RegionStats while a memory_report() block measures it
 
 
 @dataclass
@@ -172,19 +174,23 @@ FRAME: contextvars.ContextVar[Frame | None] = contextvars.ContextVar(
 )
 
 
-class CompiledView:
-    """What compiled code reads instead of the context variables above.
+class CompiledView(threading.local):
+    """What compiled code reads instead of the context variables above: this
+    thread's view of them.
 
-    Dynamo cannot read a ``ContextVar`` without a graph break, so compiled code
-    reads these two process-wide flags, and guards on them (one graph per
-    value). See NOTE [ torch.compile ] in ``_compiled.py``.
+    Dynamo cannot read a ``ContextVar`` without a graph break, but it reads a
+    ``threading.local``'s attributes and guards on them per thread (one graph
+    per value). See NOTE [ torch.compile ] in ``_compiled.py``.
     """
 
     def __init__(self) -> None:
-        # Instance attributes, not class attributes: dynamo guards on the
-        # instance's __dict__, and a first assignment would otherwise change it.
-        self.regions = False  # some thread is inside an enabled checkpointing() block
-        self.eager = False  # some eager region frame is active, in any thread
+        # Set per thread, on its first access. Instance attributes, not class
+        # attributes: dynamo guards on the instance's __dict__, and a first
+        # assignment would otherwise change it.
+        self.regions = False  # this thread is inside an enabled checkpointing() block
+        self.eager = False  # this thread runs an eager region frame
+        self.enabled_blocks = 0  # behind ``regions`` (eager code only)
+        self.frames = 0  # behind ``eager`` (eager code only)
 
 
 MIRROR = CompiledView()

@@ -43,8 +43,7 @@ class _Patch:
 _PATCHES: dict[int, _Patch] = {}
 
 
-@torch.compiler.disable(recursive=False)  # reads the scope: eager only
-def _regioned(
+def _regioned(  # eager only: compiled code takes compiled_region instead
     forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     scope = SCOPE.get()

@@ -12,7 +12,10 @@ builds its debug mode as a ``context_fn`` plus an error callback, and refuses
 next call return ours composed with torch's), and
 ``_checkpoint_without_reentrant_generator``, which ``checkpoint`` looks up at
 every call and which ``patch_torch_checkpoint`` swaps (NOTE [ patching torch's
-checkpoint ] in ``_patch.py``).
+checkpoint ] in ``_patch.py``). The memory report (``_report.py``) reads the
+innermost saved-tensor hooks, torch's checkpoint's own, through
+``torch._C._autograd._top_saved_tensors_default_hooks``, to count what a
+region's ops save while still handing every tensor to torch's hook.
 
 The buffer guard (``_guard.py``) swaps
 buffers in and out of ``nn.Module._buffers``, the registry ``register_buffer``
@@ -50,6 +53,7 @@ __all__ = [
     "draws_random_numbers",
     "module_buffers",
     "scoped_draws",
+    "top_saved_tensors_hooks",
     "unscoped_random_detector",
 ]
 
@@ -230,3 +234,8 @@ class _UnscopedRandomDetector(TorchDispatchMode):
 def unscoped_random_detector() -> TorchDispatchMode:
     """A fresh dispatch mode that raises on unscoped random ops."""
     return _UnscopedRandomDetector()
+
+
+def top_saved_tensors_hooks() -> tuple[Callable[[Any], Any], Callable[[Any], Any]] | None:
+    """The innermost ``saved_tensors_hooks`` pair now in force, or None."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)

@@ -115,12 +115,15 @@ def _dropout(
             f"(N, C, ...), but got shape {tuple(input.shape)}. Use dropout or alpha_dropout "
             "for element-wise dropout."
         )
-    if torch.compiler.is_dynamo_compiling() and not MIRROR.eager and generator is None:
-        # Inductor's generator, replayed by torch's checkpoint operator
-        # (NOTE [ torch.compile ] in _compiled.py).
-        out_of_place, in_place = _TORCH_OPS[feature, alpha]
-        return (in_place if inplace else out_of_place)(input, p, training)
-    return _seeded_dropout(
+    seeded = _seeded_dropout
+    if torch.compiler.is_dynamo_compiling():
+        if not MIRROR.eager and generator is None:
+            # Inductor's generator, replayed by torch's checkpoint operator
+            # (NOTE [ torch.compile ] in _compiled.py).
+            out_of_place, in_place = _TORCH_OPS[feature, alpha]
+            return (in_place if inplace else out_of_place)(input, p, training)
+        seeded = _seeded_dropout_outside_dynamo
+    return seeded(
         input,
         p,
         training,
@@ -133,7 +136,6 @@ def _dropout(
     )
 
 
-@torch.compiler.disable  # reads the region's tape: eager only
 def _seeded_dropout(
     input: Tensor,
     p: float,
@@ -164,6 +166,10 @@ def _seeded_dropout(
     shape = tuple(input.shape[:2]) + (1,) * (input.dim() - 2) if feature else tuple(input.shape)
     mask = Mask(seed, p, shape, input.device, alpha, save_mask)
     return MaskedDropout.apply(input, mask, inplace)
+
+
+# It reads the region's tape: compiled code calls it behind a graph break.
+_seeded_dropout_outside_dynamo = torch.compiler.disable(_seeded_dropout)
 
 
 def _feature(

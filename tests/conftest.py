@@ -36,7 +36,7 @@ def _no_scope_leaks():
     """Every test must leave no scope, frame, patch or global hook behind."""
     import torch.utils.checkpoint as torch_checkpoint
 
-    from scopedckpt import _guard, _patch, _targets
+    from scopedckpt import _guard, _patch, _report, _targets
     from scopedckpt._state import FRAME, SCOPE
 
     yield
@@ -47,3 +47,4 @@ def _no_scope_leaks():
     assert not _guard._HANDLES, "the buffer guard's global module hooks leaked out of the test"
     assert not _patch._ORIGINALS, "patch_torch_checkpoint left torch.utils.checkpoint patched"
     assert torch_checkpoint.checkpoint.__module__ == "torch.utils.checkpoint"
+    assert not _report._ACTIVE, "a memory_report block leaked out of the test"

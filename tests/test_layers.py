@@ -465,3 +465,17 @@ def test_batch_norm_recompute_uses_the_mode_of_the_first_forward(
     assert len(actual) == len(expected)
     for a, b in zip(actual, expected):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("save_mask", "per_element"), [(True, 1), (False, 0)])
+def test_scoped_dropout_keeps_one_byte_per_element_or_none(save_mask: bool, per_element: int) -> None:
+    saved: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    x = torch.randn(64, 32, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        scopedckpt.Dropout(0.3, save_mask=save_mask)(x)
+    assert sum(t.untyped_storage().nbytes() for t in saved) == per_element * x.numel()

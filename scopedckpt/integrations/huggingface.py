@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from .._engine import REENTRANT_MESSAGE, _region, layer_of
+from .._engine import REENTRANT_MESSAGE, layer_of, region_outside_dynamo
 from .._errors import ScopedCkptError
 from .._state import DEFAULT_SCOPE, SCOPE
 
@@ -35,7 +35,8 @@ def _checkpoint(function: Callable[..., Any], *args: Any, **torch_kwargs: Any) -
         )
     layer = layer_of(function)
     scope = SCOPE.get() or DEFAULT_SCOPE
-    return _region(function, layer, args, {}, scope=scope)
+    # Called from model code, which may be compiled: the eager region, behind a graph break.
+    return region_outside_dynamo(function, layer, args, {}, scope=scope)
 
 
 def gradient_checkpointing_enable(model: nn.Module, *, every_n_layers: int = 1) -> nn.Module:

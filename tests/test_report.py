@@ -1,0 +1,162 @@
+"""scopedckpt.memory_report(): rows per region, totals against saved_tensors_hooks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import scopedckpt
+from scopedckpt import _report
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks = [
+        nn.Sequential(
+            nn.Linear(32, 48), nn.BatchNorm1d(48), nn.GELU(), nn.Dropout(0.2), nn.Linear(48, 32)
+        )
+        for _ in range(3)
+    ]
+    return scopedckpt.convert(nn.Sequential(*blocks, nn.Linear(32, 1)))
+
+
+def _storage_bytes_saved_plainly(model: nn.Sequential, x: torch.Tensor) -> int:
+    """What the blocks' ops save for backward without checkpointing (saved_tensors_hooks),
+    once per storage, leaving out each block's input, parameters and buffers."""
+    total = 0
+    h = x
+    for block in list(model)[:3]:
+        seen = {t.untyped_storage().data_ptr() for t in (h, *block.parameters(), *block.buffers())}
+
+        def pack(tensor: torch.Tensor, seen: set[int] = seen) -> torch.Tensor:
+            nonlocal total
+            key = tensor.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            h = block(h)
+    return total
+
+
+def _transformer() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = [nn.TransformerEncoderLayer(32, 4, 64, batch_first=True) for _ in range(3)]
+    return scopedckpt.convert(nn.Sequential(*layers, nn.Linear(32, 1)))
+
+
+@pytest.mark.parametrize(
+    ("build", "shape"),
+    # The transformer frees temporaries inside each layer, so the allocator
+    # hands their addresses to later saved tensors: storages must be told apart.
+    [(_model, (16, 32)), (_transformer, (4, 10, 32))],
+)
+@pytest.mark.filterwarnings("ignore::scopedckpt.ConvertWarning")
+def test_freed_bytes_agree_with_a_saved_tensors_hooks_count(
+    build: Callable[[], nn.Sequential], shape: tuple[int, ...]
+) -> None:
+    model = build()
+    x = torch.randn(*shape, requires_grad=True)
+    expected = _storage_bytes_saved_plainly(model, x)
+    with scopedckpt.memory_report(root=model) as report:
+        with scopedckpt.checkpointing(*list(model)[:3]):
+            loss = model(x).sum()
+        loss.backward()
+    assert expected > 0
+    assert report.totals["freed_bytes"] == expected
+
+
+def test_rows_count_calls_recomputes_and_what_the_region_keeps() -> None:
+    model = _model()
+    x = torch.randn(16, 32, requires_grad=True)
+    with scopedckpt.memory_report(root=model) as report:
+        for _ in range(2):
+            with scopedckpt.checkpointing(*list(model)[:3]):
+                loss = model(x).sum()
+            loss.backward(retain_graph=True)
+            loss.backward()
+    rows = report.rows
+    assert [row["region"] for row in rows] == ["0", "1", "2"]
+    stash = torch.get_rng_state().nbytes  # the RNG replay's copy of the CPU generator
+    for row in rows:
+        assert row["calls"] == 2
+        assert row["recomputes"] == 4  # two backward passes per step
+        assert row["kept_bytes"] == 2 * (16 * 32 * 4 + stash)  # the input and the stash
+        assert row["records"] == 4  # a batch norm and a dropout record per call
+        assert row["recompute_seconds"] > 0
+    json.dumps(rows)  # serialisable as it is
+    text = str(report)
+    assert text.splitlines()[0].split() == [
+        "region", "calls", "recomputes", "kept", "freed", "records", "recompute",
+    ]
+    assert text.splitlines()[-1].startswith("total")
+
+
+def test_function_regions_are_named_by_the_function_and_nested_regions_get_rows() -> None:
+    inner = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+
+    def outer_fn(x: torch.Tensor) -> torch.Tensor:
+        return scopedckpt.checkpoint(inner, x.sin()).cos()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with scopedckpt.memory_report() as report:
+        with scopedckpt.checkpointing():
+            y = scopedckpt.checkpoint(outer_fn, x)
+        y.sum().backward()
+    rows = {row["region"]: row for row in report.rows}
+    assert set(rows) == {
+        "test_function_regions_are_named_by_the_function_and_nested_regions_get_rows."
+        "<locals>.outer_fn",
+        "Sequential",
+    }
+    # The nested region runs in its parent's recompute (and its own is not needed).
+    assert rows["Sequential"]["recomputes"] >= 1
+
+
+def test_no_report_no_cost_and_nothing_left_behind() -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    with scopedckpt.checkpointing():
+        y = scopedckpt.checkpoint(torch.sin, x)
+    with scopedckpt.memory_report() as report:
+        pass
+    y.sum().backward()
+    assert report.rows == []
+    assert "no checkpoint region ran" in str(report)
+    assert not _report._ACTIVE
+
+
+def test_checkpointing_is_unchanged_under_a_report() -> None:
+    def train(reported: bool) -> list[torch.Tensor]:
+        model = _model()
+        x = torch.randn(16, 32, requires_grad=True)
+        torch.manual_seed(3)
+        with scopedckpt.memory_report() if reported else contextlib.nullcontext():
+            with scopedckpt.checkpointing(*list(model)[:3]):
+                loss = model(x).square().sum()
+            loss.backward()
+        return [loss.detach(), x.grad, *(p.grad for p in model.parameters()), *model.buffers()]
+
+    for a, b in zip(train(True), train(False)):
+        assert torch.equal(a, b)
+
+
+
+def test_weights_saved_in_a_function_region_are_not_counted_as_freed() -> None:
+    weight = nn.Parameter(torch.randn(8, 8))
+
+    def layer(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(t, weight).relu()  # saves weight.t(): a view
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with scopedckpt.memory_report() as report:
+        with scopedckpt.checkpointing():
+            y = scopedckpt.checkpoint(layer, x)
+        y.sum().backward()
+    assert report.totals["freed_bytes"] == 4 * 8 * 4  # relu's output only
