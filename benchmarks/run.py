@@ -2,9 +2,10 @@
 
 Run by hand (not part of the test suite)::
 
-    pip install -e ".[bench]" && python benchmarks/run.py [--quick] [--compiled]
+    pip install -e ".[bench]" && python benchmarks/run.py [--quick] [--compiled | --selective]
 
-``--compiled`` runs only the torch.compile section instead (see compiled.py).
+``--compiled`` runs only the torch.compile section instead (see compiled.py),
+``--selective`` only the selective-saving trade-off (see selective.py).
 
 Configurations, all over the same regions (one per block):
   (a) plain torch layers, no checkpointing
@@ -125,6 +126,17 @@ def small_mlp(depth: int) -> tuple[Blocks, torch.Tensor]:
         for _ in range(depth)
     ]
     return Blocks(blocks, nn.Identity(), nn.Linear(w, 10)), torch.randn(128, w)
+
+
+def wide_mlp(depth: int) -> tuple[Blocks, torch.Tensor]:
+    """Large matmuls, few ops (selective saving only): Linear(1024, 2048)-GELU-Dropout-
+    Linear(2048, 1024), batch 256."""
+    w = 1024
+    blocks = [
+        nn.Sequential(nn.Linear(w, 2 * w), nn.GELU(), nn.Dropout(0.1), nn.Linear(2 * w, w))
+        for _ in range(depth)
+    ]
+    return Blocks(blocks, nn.Identity(), nn.Linear(w, 10)), torch.randn(256, w)
 
 
 MODELS: dict[str, Callable[[int], tuple[Blocks, torch.Tensor]]] = {
@@ -295,10 +307,18 @@ def main() -> None:
         action="store_true",
         help="only the torch.compile section (benchmarks/compiled.py)",
     )
+    parser.add_argument(
+        "--selective",
+        action="store_true",
+        help="only the selective-saving section (benchmarks/selective.py)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
     if args.compiled:
         run_compiled(args.quick)
+        return
+    if args.selective:
+        run_selective(args.quick)
         return
     repeats = 5 if args.quick else 15
     depths = (4, 8) if args.quick else (4, 8, 16, 32)
@@ -383,6 +403,24 @@ def run_compiled(quick: bool) -> None:
     (RESULTS / "compiled.json").write_text(
         json.dumps({"rows": rows, "quick": quick, "torch": torch.__version__}, indent=2)
     )
+
+
+def run_selective(quick: bool) -> None:
+    import selective
+
+    depth = 4 if quick else 8
+    models = {
+        f"mlp x{depth}": lambda: mlp(depth),
+        f"transformer x{depth}": lambda: transformer(depth),
+        f"cnn x{depth}": lambda: cnn(depth),
+        "wide_mlp x4": lambda: wide_mlp(4),
+    }
+    rows = selective.run(models, repeats=3 if quick else 11)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "selective.json").write_text(
+        json.dumps({"rows": rows, "quick": quick, "torch": torch.__version__}, indent=2)
+    )
+    selective.plot(rows, RESULTS / "selective.png")
 
 
 def plot(rows: list[dict[str, object]]) -> None:

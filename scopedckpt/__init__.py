@@ -24,7 +24,7 @@ with _warnings.catch_warnings():
     _warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch as _torch  # noqa: F401
 
-from . import functional, integrations
+from . import functional, integrations, policies
 from ._checkpoint import checkpoint, checkpoint_sequential
 from ._convert import ConvertWarning, convert
 from ._errors import ScopedCkptError
@@ -70,5 +70,6 @@ __all__ = [
     "is_recomputing",
     "memory_report",
     "phase",
+    "policies",
     "replay",
 ]

@@ -27,6 +27,7 @@ def checkpoint(
     debug: bool = False,
     early_stop: bool = True,
     preserve_rng_state: bool = True,
+    save: Any = None,
     **kwargs: Any,
 ) -> R:
     """Run ``fn(*args, **kwargs)`` as a checkpoint region inside a scope.
@@ -71,6 +72,11 @@ def checkpoint(
         each recompute the default CPU and accelerator generators' states of
         the first forward (see docs/index.md). ``False`` skips that stash:
         still exact for scoped layers, wrong for any other random op.
+    save
+        Selective saving for this region, overriding the scope's ``save``
+        (see :func:`checkpointing`): the op calls it selects keep their outputs
+        from the first forward and are not rerun in the recompute. Not a
+        torch keyword: a keyword ``save`` of ``fn`` must be passed another way.
     **kwargs
         Keyword arguments of ``fn``.
 
@@ -85,7 +91,8 @@ def checkpoint(
     ValueError
         If ``determinism_check`` is not one torch knows.
     ScopedCkptError
-        If ``use_reentrant=True``.
+        If ``use_reentrant=True``, or ``save`` selects an op that changes its
+        arguments in place or returns a view of one.
 
     Example
     -------
@@ -122,6 +129,7 @@ def checkpoint(
         early_stop=early_stop,
         debug=debug,
         context_fn=context_fn,
+        save=save,
     )
 
 
@@ -153,7 +161,8 @@ def checkpoint_sequential(
         ``False`` or unset; ``True`` raises as in :func:`checkpoint`.
     **kwargs
         Keywords of :func:`checkpoint` (``preserve_rng_state``,
-        ``determinism_check``, ``debug``, ``early_stop``, ``context_fn``).
+        ``determinism_check``, ``debug``, ``early_stop``, ``context_fn``,
+        ``save``).
 
     Returns
     -------

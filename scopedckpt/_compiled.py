@@ -63,7 +63,8 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
-from ._engine import ContextFn, region_context_fn, region_outside_dynamo
+from ._engine import ContextFn, _region, region_context_fn, region_outside_dynamo
+from ._policy import SavePolicy, as_policy, compiled_contexts, traced_policy_info
 from ._state import DEFAULT_SCOPE, MIRROR, SCOPE
 
 __all__ = ["compiled_region", "enter_traced", "exit_traced"]
@@ -72,10 +73,17 @@ __all__ = ["compiled_region", "enter_traced", "exit_traced"]
 class _EagerFallback:
     """A region's body: traced as is, or made exact when dynamo runs it eagerly."""
 
-    def __init__(self, fn: Callable[..., Any], owner: object | None, preserve_rng_state: bool):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        owner: object | None,
+        preserve_rng_state: bool,
+        save: Any = None,
+    ):
         self.fn = fn
         self.owner = owner
         self.preserve_rng_state = preserve_rng_state
+        self.save = save
         self.contexts: tuple[Any, Any] | None = None
         self.run = fn
 
@@ -99,6 +107,7 @@ class _EagerFallback:
                 kwargs,
                 preserve_rng_state=self.preserve_rng_state,
                 context_fn=None,
+                save=as_policy(self.save),
             )
             self.contexts = contexts()
             with self.contexts[0]:
@@ -118,8 +127,13 @@ def compiled_region(
     early_stop: bool = True,
     debug: bool = False,
     context_fn: ContextFn | None = None,
+    save: Any = None,
 ) -> Any:
-    """A region as compiled code runs it (NOTE [ torch.compile ])."""
+    """A region as compiled code runs it (NOTE [ torch.compile ]).
+
+    ``save``: the ``save=`` sequence given to :func:`scopedckpt.checkpoint`, or
+    None for the innermost scope's policy.
+    """
     if MIRROR.eager:
         return region_outside_dynamo(
             fn,
@@ -131,9 +145,30 @@ def compiled_region(
             early_stop=early_stop,
             debug=debug,
             context_fn=context_fn,
+            save=save,
         )
     if not MIRROR.regions or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    if save is None:
+        save = MIRROR.save  # a parsed policy (or None)
+        key, modules = (-1, False) if save is None else (save.key, save.selects_modules)
+    else:
+        key, modules = _traced_policy_info(save)
+    if modules or (key >= 0 and context_fn is not None):
+        # torch's compiled selective checkpointing decides per aten op only, and
+        # takes one context_fn: an eager region (a graph break) does both.
+        return _eager_policy_region(
+            fn,
+            owner,
+            args,
+            kwargs,
+            preserve_rng_state=preserve_rng_state,
+            determinism_check=determinism_check,
+            early_stop=early_stop,
+            debug=debug,
+            context_fn=context_fn,
+            save=save,
+        )
     options: dict[str, Any] = {}
     # Only what differs from torch's defaults: dynamo handles fewer keywords.
     if determinism_check != "default":
@@ -142,7 +177,9 @@ def compiled_region(
         options["debug"] = debug
     if context_fn is not None:
         options["context_fn"] = context_fn
-    body = _EagerFallback(fn, owner, preserve_rng_state)
+    elif key >= 0:
+        options["context_fn"] = functools.partial(compiled_contexts, key)
+    body = _EagerFallback(fn, owner, preserve_rng_state, save if key >= 0 else None)
     return torch_checkpoint.checkpoint(
         body,
         *args,
@@ -151,6 +188,21 @@ def compiled_region(
         **options,
         **kwargs,
     )
+
+
+# Parsed at trace time, as constants (NOTE [ torch.compile ]).
+_traced_policy_info = torch.compiler.assume_constant_result(traced_policy_info)
+
+
+@torch.compiler.disable
+def _eager_policy_region(
+    fn: Callable[..., Any], owner: object | None, args: Any, kwargs: Any, **options: Any
+) -> Any:
+    """An eager region, body included, for a compiled call whose policy selects
+    modules or comes with a context_fn (a graph break). It may run where no
+    eager scope is active (a block entered inside the compiled function), so it
+    brings one."""
+    return _region(fn, owner, args, kwargs, scope=SCOPE.get() or DEFAULT_SCOPE, **options)
 
 
 def _traced_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
@@ -163,16 +215,18 @@ def _traced_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
 
 
 def enter_traced(
-    modules: list[nn.Module], enabled: bool
-) -> tuple[bool, list[tuple[nn.Module, Any]]]:
+    modules: list[nn.Module], enabled: bool, save: SavePolicy | None
+) -> tuple[tuple[bool, Any], list[tuple[nn.Module, Any]]]:
     """A ``checkpointing()`` block entered while dynamo traces: set the mirror and
     patch the targets for the trace; returns what :func:`exit_traced` puts back.
 
     Dynamo records both as side effects of the traced function and replays
     only their net result (nothing) when the compiled code runs.
     """
-    previous = MIRROR.regions
+    previous = MIRROR.regions, MIRROR.save
     MIRROR.regions = enabled
+    if save is not None:
+        MIRROR.save = save
     patched = []
     for module in modules:
         existing = module.__dict__.get("forward")
@@ -183,9 +237,9 @@ def enter_traced(
     return previous, patched
 
 
-def exit_traced(previous: bool, patched: list[tuple[nn.Module, Any]]) -> None:
+def exit_traced(previous: tuple[bool, Any], patched: list[tuple[nn.Module, Any]]) -> None:
     """Undo :func:`enter_traced`."""
-    MIRROR.regions = previous
+    MIRROR.regions, MIRROR.save = previous
     for module, existing in patched:
         if existing is None:
             module.__dict__.pop("forward", None)

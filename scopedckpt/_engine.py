@@ -21,8 +21,9 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from . import _guard, _report, _rng, _torch_private
+from . import _guard, _report, _rng, _selective, _torch_private
 from ._errors import ScopedCkptError
+from ._policy import SavePolicy, as_policy
 from ._state import FRAME, SCOPE, Frame, Phase, Record, Scope, Tape, describe, module_path
 
 __all__ = ["region_context_fn"]
@@ -71,6 +72,7 @@ class _EnterFrame:
                 Frame,
                 Any,
                 _rng.RngStash | None,
+                Any,
             ]
         ] = []
         self._measures: list[Any] = []  # memory report: a hook (forward) or a start time
@@ -88,9 +90,20 @@ class _EnterFrame:
                 self._tape.rng.apply()
         frame = Frame(self._phase, self._tape, self._scope, self._owner)
         _guard.acquire()
+        selective: _selective.SavingMode | _selective.ServingMode | None = None
+        saved = self._tape.saved
+        if saved is not None:  # NOTE [ selective saving ] in _selective.py
+            if self._phase is Phase.FORWARD:
+                selective = _selective.SavingMode(saved, frame)
+                if saved.policy.selects_modules:
+                    frame.selective = selective
+            else:
+                selective = _selective.ServingMode(saved, frame)
         self._entries.append(
-            (SCOPE.set(self._scope), FRAME.set(frame), frame, strict_mode, saved_rng)
+            (SCOPE.set(self._scope), FRAME.set(frame), frame, strict_mode, saved_rng, selective)
         )
+        if selective is not None:
+            selective.__enter__()
         stats = self._tape.stats
         if stats is not None:  # NOTE [ memory report ] in _report.py
             if self._phase is Phase.FORWARD:
@@ -106,7 +119,9 @@ class _EnterFrame:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        scope_token, frame_token, frame, strict_mode, saved_rng = self._entries.pop()
+        scope_token, frame_token, frame, strict_mode, saved_rng, selective = self._entries.pop()
+        if selective is not None:
+            selective.__exit__(exc_type, exc, tb)
         stats = self._tape.stats
         if stats is not None:
             measure = self._measures.pop()
@@ -176,11 +191,13 @@ def region_context_fn(
     *,
     preserve_rng_state: bool,
     context_fn: ContextFn | None,
+    save: SavePolicy | None = None,
 ) -> tuple[Callable[..., Any], ContextFn]:
     """Set up one region: the ``fn`` and ``context_fn`` to hand to torch's checkpoint.
 
     Shared by :func:`checkpoint` and by torch's own ``checkpoint`` under
     ``patch_torch_checkpoint``. A user's ``context_fn`` is entered inside ours.
+    ``save`` overrides the scope's policy (NOTE [ selective saving ]).
     """
     parent = FRAME.get()
     _check_no_cache(owner, label, scope, args, kwargs)
@@ -194,6 +211,9 @@ def region_context_fn(
         forward = _EnterFrame(Phase.RECOMPUTE, tape, scope, owner, rewind=False)
     else:
         tape = Tape(rng=_rng.stash() if preserve_rng_state else None)
+        policy = save if save is not None else scope.save
+        if policy is not None:
+            tape.saved = _selective.Saved(policy, policy.matched_modules(owner, label), label)
         tape.stats = _report.start(owner, label, scope.root, args, kwargs)
         if parent is not None:
             parent.tape.records.append(Record(_REGION, owner_id, label, tape))
@@ -246,11 +266,13 @@ def _region(
     context_fn: ContextFn | None = None,
     scope: Scope | None = None,
     label: object = None,
+    save: Any = None,
 ) -> R:
     """Run ``fn`` as a region if a scope is active and grad is on, else plainly.
 
     ``scope`` forces a scope where the caller has none (integrations);
-    ``label`` names the region in errors when it is not ``owner`` or ``fn``.
+    ``label`` names the region in errors when it is not ``owner`` or ``fn``;
+    ``save`` (a ``save=`` sequence or a parsed policy) overrides the scope's policy.
     """
     if scope is None:
         scope = SCOPE.get()
@@ -267,6 +289,7 @@ def _region(
         kwargs,
         preserve_rng_state=preserve_rng_state,
         context_fn=context_fn,
+        save=as_policy(save),
     )
     options: dict[str, Any] = dict(
         use_reentrant=False,

@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from ._errors import ScopedCkptError
+from ._selective import internal
 from ._state import FRAME, MIRROR, Frame, Phase, module_path
 from ._torch_private import module_buffers
 
@@ -159,15 +160,17 @@ def _count(frame: Frame, module: nn.Module) -> int:
     return index
 
 
-def enter(frame: Frame, module: nn.Module) -> None:
-    """Before a guarded call: copy its state (forward) or swap in the recorded one."""
+def enter(frame: Frame, module: nn.Module) -> int:
+    """Before a guarded call: copy its state (forward) or swap in the recorded one.
+
+    Returns the call's index (how many calls of the module came before it)."""
     index = _count(frame, module)
     stateful = _stateful(module)
     if frame.phase is not Phase.RECOMPUTE:
         saved = [(n, b.clone()) for n, b in module_buffers(module).items() if b is not None]
         state = _snapshot(module) if stateful else _NONE
         frame.guards.append(_Entry(module, index, saved, state))
-        return
+        return index
     record: ModuleState | None = frame.tape.states.get((id(module), index))
     if record is None:
         raise ScopedCkptError(
@@ -186,6 +189,7 @@ def enter(frame: Frame, module: nn.Module) -> None:
         current = _snapshot(module)
         _restore(module, record.state)
     frame.guards.append(_Entry(module, index, swapped, current))
+    return index
 
 
 def exit_(frame: Frame, module: nn.Module) -> None:
@@ -237,19 +241,39 @@ def _pre_hook(module: nn.Module, args: Any) -> None:
     if frame is None:
         return
     if _guarded(module):
-        enter(frame, module)
+        if frame.tape.saved is None:
+            enter(frame, module)
+            return
+        with internal():  # its copies are no op calls of the region's (_selective.py)
+            index = enter(frame, module)
     else:
         # Counted all the same: a buffer registered lazily during the first
         # forward must not shift the call indices the recompute looks up.
-        _count(frame, module)
+        index = _count(frame, module)
+        if frame.tape.saved is None:
+            return
+    # Selective saving numbers op calls per module call (NOTE [ selective saving ]).
+    frame.modules.append((id(module), index))
+    if frame.selective is not None:
+        frame.selective.enter_module(module)
 
 
 def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
     if torch.compiler.is_dynamo_compiling() and not MIRROR.eager:
         return
     frame = FRAME.get()
-    if frame is not None and frame.guards and frame.guards[-1].module is module:
-        exit_(frame, module)
+    if frame is None:
+        return
+    if frame.tape.saved is not None and frame.modules:
+        frame.modules.pop()
+        if frame.selective is not None:
+            frame.selective.exit_module()
+    if frame.guards and frame.guards[-1].module is module:
+        if frame.tape.saved is None:
+            exit_(frame, module)
+        else:
+            with internal():
+                exit_(frame, module)
 
 
 def acquire() -> None:
@@ -292,9 +316,11 @@ def guarded_call(owner: nn.Module, fn: Callable[..., Any]) -> Callable[..., Any]
     def call(*args: Any, **kwargs: Any) -> Any:
         frame = FRAME.get()
         assert frame is not None  # called by torch's checkpoint inside our frame
-        enter(frame, owner)
+        with internal():
+            enter(frame, owner)
         result = fn(*args, **kwargs)
-        exit_(frame, owner)  # on an exception, unwind() cleans up when the frame ends
+        with internal():
+            exit_(frame, owner)  # on an exception, unwind() cleans up when the frame ends
         return result
 
     return call

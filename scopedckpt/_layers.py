@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from . import functional as SF
 from ._guard import self_guarded
+from ._selective import internal
 from ._state import MIRROR, Phase, tape_value
 
 __all__ = [
@@ -214,8 +215,9 @@ class _ScopedBatchNorm(nn.modules.batchnorm._BatchNorm):
         self._check_input_dim(input)
         running_mean, running_var = self.running_mean, self.running_var
         if training and self.track_running_stats and running_mean is not None:
-            running_mean = running_mean.clone()
-            running_var = None if running_var is None else running_var.clone()
+            with internal():  # recompute-only ops: not numbered by selective saving
+                running_mean = running_mean.clone()
+                running_var = None if running_var is None else running_var.clone()
         elif training:
             running_mean = running_var = None
         batch_stats = training or (running_mean is None and running_var is None)

@@ -17,7 +17,8 @@ is open (in any thread: a recompute runs in backward, possibly elsewhere):
   forward, that module's parameters and buffers.
 * *kept*: the region's input tensors (once per storage; parameters excluded),
   plus what its tape holds for the recompute: the generators' states of the
-  RNG replay and the buffer guard's copies.
+  RNG replay, the buffer guard's copies and the op outputs a ``save=`` policy
+  keeps (moved from *freed* where the ops also saved them for backward).
 * *records*: the scoped-layer decisions on the tape (a dropout seed, a batch
   norm mode: a few bytes each).
 * *recompute time*: wall time inside each recompute, from the moment its frame
@@ -59,6 +60,7 @@ class RegionStats:
     recomputes: int = 0
     recompute_seconds: float = 0.0
     _seen: dict[int, Any] = field(default_factory=dict, repr=False)  # see _new_storage_bytes
+    _freed: dict[int, int] = field(default_factory=dict, repr=False)  # storage -> bytes freed
 
 
 @dataclass
@@ -266,6 +268,7 @@ class counting_saved_tensors:  # noqa: N801 - used like torch's saved_tensors_ho
         stats = self._stats
 
         seen = stats._seen
+        freed = stats._freed
         parameter = torch.nn.Parameter
 
         def counting_pack(tensor: torch.Tensor) -> Any:
@@ -273,8 +276,11 @@ class counting_saved_tensors:  # noqa: N801 - used like torch's saved_tensors_ho
             # returns before any call.
             base = tensor._base
             if not isinstance(tensor if base is None else base, parameter):  # a weight, or its transpose
-                if tensor.untyped_storage().data_ptr() not in seen:
-                    stats.freed_bytes += _new_storage_bytes(seen, tensor)
+                key = tensor.untyped_storage().data_ptr()
+                if key not in seen:
+                    counted = _new_storage_bytes(seen, tensor)
+                    stats.freed_bytes += counted
+                    freed[key] = counted
             return pack(tensor)
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(counting_pack, unpack)
@@ -294,6 +300,16 @@ def finish_forward(stats: RegionStats, tape: Any) -> None:
         stats.kept_bytes += sum(state.nbytes for _, state in tape.rng.devices)
     for state in tape.states.values():
         stats.kept_bytes += sum(tensor.nbytes for _, tensor in state.buffers)
+    if tape.saved is not None:  # outputs kept by save= (NOTE [ selective saving ])
+        for tensor in tape.saved.tensors():
+            key = tensor.untyped_storage().data_ptr()
+            counted = stats._freed.pop(key, None)
+            if counted is not None and key in stats._seen:
+                # Saved for backward and kept by the policy: not freed after all.
+                stats.freed_bytes -= counted
+                stats.kept_bytes += counted
+            else:
+                stats.kept_bytes += _new_storage_bytes(stats._seen, tensor)
 
 
 def recomputed(stats: RegionStats, seconds: float) -> None:

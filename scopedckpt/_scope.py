@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import _compiled, _targets
+from ._policy import SavePolicy, as_policy
 from ._state import MIRROR, SCOPE, Scope
 
 __all__ = ["checkpointing"]
@@ -76,12 +77,20 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
     root
         The model predicates are evaluated against (needed only with them);
         error messages name modules by their qualified names in it.
+    save
+        Selective saving: what the regions made in this block keep from their
+        first forward instead of recomputing, still exactly (docs/selective.md).
+        A sequence of aten ops (``torch.ops.aten.mm``), module instances or
+        classes inside the regions, qualified-name patterns relative to the
+        region's module (``"mlp.*"``), or callables ``(ctx, op, *args,
+        **kwargs) -> bool`` as for torch's selective checkpointing; presets are
+        in :mod:`scopedckpt.policies`. ``None`` inherits the outer block's.
 
     Raises
     ------
     TypeError
-        If a target is neither a module, a module class nor a callable, or a
-        flag is not a bool.
+        If a target is neither a module, a module class nor a callable, a
+        flag is not a bool, or a ``save`` item is none of the kinds above.
     ValueError
         If a predicate target is given without ``root``.
 
@@ -104,6 +113,7 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         enabled: bool = True,
         strict: bool | None = None,
         root: nn.Module | None = None,
+        save: Any = None,
     ) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(
@@ -125,9 +135,13 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         self._enabled = enabled
         self._strict = strict
         self._root = root
+        self._save_items = save
+        self._save: SavePolicy | None = as_policy(save)
         self._modules, self._classes = _resolve(targets, root)
-        self._entries: list[tuple[contextvars.Token[Scope | None], _targets.Patches, int]] = []
-        self._traced: list[tuple[bool, list[tuple[nn.Module, Any]]]] = []
+        self._entries: list[
+            tuple[contextvars.Token[Scope | None], _targets.Patches, int, SavePolicy | None]
+        ] = []
+        self._traced: list[tuple[tuple[bool, Any], list[tuple[nn.Module, Any]]]] = []
 
     def __repr__(self) -> str:
         parts = [
@@ -136,11 +150,15 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         parts.append(f"enabled={self._enabled}")
         if self._strict is not None:
             parts.append(f"strict={self._strict}")
+        if self._save is not None:
+            parts.append(f"save={list(self._save.items)!r}")
         return f"checkpointing({', '.join(parts)})"
 
     def __enter__(self) -> checkpointing:
         if torch.compiler.is_dynamo_compiling():  # NOTE [ torch.compile ] in _compiled.py
-            self._traced.append(_compiled.enter_traced(self._modules, self._enabled))
+            self._traced.append(
+                _compiled.enter_traced(self._modules, self._enabled, self._save)
+            )
             return self
         parent = SCOPE.get()
         strict = self._strict
@@ -165,10 +183,12 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
             keep,
             inherited + ((patches,) if patches.holders else ()),
             self._root if self._root is not None else (parent.root if parent else None),
+            self._save if self._save is not None else (parent.save if parent else None),
         )
         delta = int(self._enabled) - int(parent is not None and parent.enabled)
-        self._entries.append((SCOPE.set(scope), patches, delta))
+        self._entries.append((SCOPE.set(scope), patches, delta, MIRROR.save))
         _count_enabled(delta)
+        MIRROR.save = scope.save
         return self
 
     def __exit__(
@@ -180,16 +200,21 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         if torch.compiler.is_dynamo_compiling():
             _compiled.exit_traced(*self._traced.pop())
             return
-        token, patches, delta = self._entries.pop()
+        token, patches, delta, save = self._entries.pop()
         try:
             SCOPE.reset(token)
         finally:
             _count_enabled(-delta)
+            MIRROR.save = save
             patches.remove()
 
     def _fresh(self) -> checkpointing:
         return checkpointing(
-            *self._targets, enabled=self._enabled, strict=self._strict, root=self._root
+            *self._targets,
+            enabled=self._enabled,
+            strict=self._strict,
+            root=self._root,
+            save=self._save_items,
         )
 
     def __call__(self, func: F) -> F:

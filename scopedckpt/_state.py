@@ -84,6 +84,7 @@ class Scope:
     keep: tuple[Any, ...] = ()  # strong refs so the ids above stay valid
     patches: tuple[Any, ...] = ()  # _targets.Patches of this scope and its parents
     root: Any = None  # the model module paths in error messages are relative to
+    save: Any = None  # _policy.SavePolicy of the regions this scope makes, or None
 
     def selects(self, module: object) -> bool:
         """Whether ``module``'s forward is a region in this scope."""
@@ -110,6 +111,7 @@ class Tape:
     rng: Any = None  # _rng.RngStash, or None when the region does not replay the RNG
     states: dict[tuple[int, int], Any] = field(default_factory=dict)  # _guard.ModuleState
     stats: Any = None  # _report.RegionStats while a memory_report() block measures it
+    saved: Any = None  # _selective.Saved when the region has a save= policy
 
 
 @dataclass
@@ -123,6 +125,8 @@ class Frame:
     cursor: int = 0
     calls: dict[int, int] = field(default_factory=dict)  # guarded module id -> calls so far
     guards: list[Any] = field(default_factory=list)  # _guard entries of modules running now
+    selective: Any = None  # _selective.SavingMode tracking module calls (module policies)
+    modules: list[tuple[int, int]] = field(default_factory=list)  # (id, call index) running now
 
     def take(self, kind: str, owner_id: int | None, label: object) -> Record:
         """Return the next record in ``RECOMPUTE``, checking it belongs to the owner."""
@@ -191,6 +195,7 @@ class CompiledView(threading.local):
         self.eager = False  # this thread runs an eager region frame
         self.enabled_blocks = 0  # behind ``regions`` (eager code only)
         self.frames = 0  # behind ``eager`` (eager code only)
+        self.save: Any = None  # the innermost block's _policy.SavePolicy, or None
 
 
 MIRROR = CompiledView()

@@ -16,6 +16,13 @@ checkpoint ] in ``_patch.py``). The memory report (``_report.py``) reads the
 innermost saved-tensor hooks, torch's checkpoint's own, through
 ``torch._C._autograd._top_saved_tensors_default_hooks``, to count what a
 region's ops save while still handing every tensor to torch's hook.
+Selective saving (``_selective.py``) is a ``TorchDispatchMode`` too and skips
+the ops ``torch.utils.checkpoint.SAC_IGNORED_OPS`` lists, as torch's own does;
+it detaches kept outputs under ``torch._C._SetExcludeDispatchKeyGuard`` so that
+they share the version counter of the tensor the model holds, reads op schemas
+(``OpOverload._schema``) to know which ops cannot be kept, and, in compiled
+code, asks ``torch._guards.TracingContext`` whether torch is tracing (its
+``context_fn`` then hands torch's own selective-checkpoint modes).
 
 The buffer guard (``_guard.py``) swaps
 buffers in and out of ``nn.Module._buffers``, the registry ``register_buffer``
@@ -45,15 +52,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._errors import ScopedCkptError
 
 __all__ = [
+    "SAC_IGNORED_OPS",
+    "OpOverload",
+    "OpOverloadPacket",
     "TorchDispatchMode",
     "bound_arguments",
     "checkpoint_debug_enabled",
     "compose",
     "debug_composed",
+    "detach_below_autograd",
     "draws_random_numbers",
     "module_buffers",
+    "op_schema_facts",
     "scoped_draws",
     "top_saved_tensors_hooks",
+    "tracing",
     "unscoped_random_detector",
 ]
 
@@ -133,6 +146,39 @@ def compose(outer: ContextFn, inner: ContextFn) -> ContextFn:
 
 
 NOOP_CONTEXT_FN: ContextFn = torch_checkpoint.noop_context_fn
+
+# What save= items and presets are (torch.ops.aten.mm.default and torch.ops.aten.mm).
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
+
+
+def op_schema_facts(func: Any) -> tuple[bool, bool, bool, str]:
+    """An op's schema, as selective saving asks: (mutates an argument, returns an
+    alias of one, takes a tensor argument, its packet's name)."""
+    schema = func._schema
+    return (
+        schema.is_mutable,
+        any(r.alias_info is not None for r in schema.returns),
+        any(isinstance(a.type, torch.TensorType) for a in schema.arguments),
+        func.overloadpacket.__name__,
+    )
+
+
+def detach_below_autograd(tensor: torch.Tensor) -> torch.Tensor:
+    """An alias of ``tensor`` sharing its version counter, from inside a dispatch mode.
+
+    Below autograd, ``detach()`` skips the ADInplaceOrView kernel that makes an
+    alias share its base's version counter, so in-place changes of the output
+    would go unseen; torch's selective checkpointing re-enables that key the
+    same way (``torch.utils.checkpoint._detach_helper``).
+    """
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return tensor.detach()
+
+
+# Ops torch's own selective checkpointing never caches: torch's checkpoint issues
+# a different number of detaches in forward and recompute, and metadata queries.
+SAC_IGNORED_OPS: frozenset[Any] = frozenset(torch_checkpoint.SAC_IGNORED_OPS)
 
 
 def module_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
@@ -234,6 +280,11 @@ class _UnscopedRandomDetector(TorchDispatchMode):
 def unscoped_random_detector() -> TorchDispatchMode:
     """A fresh dispatch mode that raises on unscoped random ops."""
     return _UnscopedRandomDetector()
+
+
+def tracing() -> bool:
+    """Whether torch.compile is tracing now (dynamo or AOT autograd), in this thread."""
+    return torch._guards.TracingContext.try_get() is not None
 
 
 def top_saved_tensors_hooks() -> tuple[Callable[[Any], Any], Callable[[Any], Any]] | None:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import scopedckpt
+from scopedckpt.policies import keepable
 
 RANKS = (2, 3, 4, 5)  # input (N, C), (N, C, L), (N, C, H, W), (N, C, D, H, W)
 
@@ -97,6 +98,16 @@ class OwnForwardBatchNorm(nn.modules.batchnorm._BatchNorm):
         )
 
 
+class Noise(nn.Module):
+    """Multiplicative noise from an out-of-place random op with a tensor argument
+    (``torch.bernoulli(p)``), which selective saving may keep."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training:
+            return x
+        return x * torch.bernoulli(torch.sigmoid(x))
+
+
 class Counter(nn.Module):
     """A step-counter buffer updated in forward and read after the update."""
 
@@ -134,7 +145,7 @@ def layers(draw: st.DrawFn, rank: int, c: int) -> nn.Module:
     kinds += ["alpha_dropout"] + (["channel_dropout", "feature_alpha_dropout"] if rank > 2 else [])
     # Unscoped ones: replayed by the RNG stash, guarded by the buffer guard.
     kinds += ["torch_dropout", "functional_dropout", "drop_path", "torch_batch_norm"]
-    kinds += ["own_forward_batch_norm", "counter"]
+    kinds += ["own_forward_batch_norm", "counter", "noise"]
     kind = draw(st.sampled_from(kinds))
     if kind == "torch_dropout":
         return nn.Dropout(draw(probabilities))
@@ -144,6 +155,8 @@ def layers(draw: st.DrawFn, rank: int, c: int) -> nn.Module:
         return DropPath(draw(probabilities))
     if kind == "counter":
         return Counter()
+    if kind == "noise":
+        return Noise()
     if kind in ("torch_batch_norm", "own_forward_batch_norm"):
         cls = torch_batch_norm if kind == "torch_batch_norm" else OwnForwardBatchNorm
         return cls(
@@ -243,6 +256,74 @@ def cases(draw: st.DrawFn, max_steps: int = 3) -> Case:
     return Case(model, x, seed, draw(st.integers(1, max_steps)))
 
 
+_aten = torch.ops.aten
+
+# Ops the random models call (out of place: selectable by an op item).
+SAVABLE_OPS = (
+    _aten.addmm,
+    _aten.convolution,
+    _aten.native_batch_norm,
+    _aten.bernoulli,
+    _aten.sigmoid,
+    _aten.mul,
+    _aten.add,
+    _aten.gelu,
+    _aten.relu,
+    _aten.tanh,
+    _aten.elu,
+    _aten.lt,
+    _aten.where,
+    _aten.remainder,
+)
+
+
+def save_all_keepable(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+    """A callable policy keeping every op it may keep: the most saving there is."""
+    return keepable(op)
+
+
+class EveryOther:
+    """A stateful callable policy: every other out-of-place call. Decisions are made
+    once, in the first forward, so even this replays exactly."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+        self.calls += 1
+        return self.calls % 2 == 0 and keepable(op)
+
+    def __repr__(self) -> str:
+        return "EveryOther()"
+
+
+@st.composite
+def save_policies(draw: st.DrawFn, model: nn.Module) -> list[Any]:
+    """A random ``save=`` policy over ``model``: ops, module classes and instances,
+    callables (no name patterns: ProgramModel's regions are functions)."""
+    modules = [m for m in model.modules() if m is not model and not isinstance(m, nn.ModuleList)]
+    items: list[Any] = []
+    kinds = st.sampled_from(["op", "packet", "class", "instance", "callable"])
+    for kind in draw(st.lists(kinds, min_size=1, max_size=4)):
+        if kind == "op":
+            packet = draw(st.sampled_from(SAVABLE_OPS))
+            overloads = [
+                getattr(packet, name)
+                for name in packet.overloads()
+                if keepable(getattr(packet, name))
+            ]
+            items.append(draw(st.sampled_from(overloads)))
+        elif kind == "packet":
+            items.append(draw(st.sampled_from(SAVABLE_OPS)))
+        elif kind == "class" and modules:
+            items.append(type(draw(st.sampled_from(modules))))
+        elif kind == "instance" and modules:
+            items.append(draw(st.sampled_from(modules)))
+        elif kind == "callable":
+            items.append(draw(st.sampled_from([save_all_keepable, EveryOther()])))
+    return items
+
+
 def count_scoped(model: nn.Module) -> dict[str, Any]:
     """How many scoped layers of each kind a model has (for test statistics)."""
     counts: dict[str, Any] = {}
@@ -252,6 +333,7 @@ def count_scoped(model: nn.Module) -> dict[str, Any]:
         FunctionalDropout,
         DropPath,
         Counter,
+        Noise,
     )
     for m in model.modules():
         if isinstance(m, kinds):

@@ -8,10 +8,17 @@ import pytest
 
 import scopedckpt
 import scopedckpt.functional
+import scopedckpt.policies
 import scopedckpt.testing
 import scopedckpt.testing.strategies
 
-MODULES = [scopedckpt, scopedckpt.functional, scopedckpt.testing, scopedckpt.testing.strategies]
+MODULES = [
+    scopedckpt,
+    scopedckpt.functional,
+    scopedckpt.policies,
+    scopedckpt.testing,
+    scopedckpt.testing.strategies,
+]
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

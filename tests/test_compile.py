@@ -100,6 +100,7 @@ def _train(
     steps: int = STEPS,
     retain_graph: bool = False,
     fullgraph: bool = True,
+    save: object = None,
 ) -> tuple[list[torch.Tensor], dict[str, int]]:
     """Train a copy compiled (fullgraph), return everything it produced and dynamo's counts.
 
@@ -113,7 +114,7 @@ def _train(
     compiled = torch.compile(model, fullgraph=fullgraph)
 
     def inside(x: torch.Tensor) -> torch.Tensor:
-        with scopedckpt.checkpointing(model.blocks, enabled=where == "inside"):
+        with scopedckpt.checkpointing(model.blocks, enabled=where == "inside", save=save):
             return model(x).square().mean()
 
     step = torch.compile(inside, fullgraph=True)
@@ -124,10 +125,10 @@ def _train(
             loss = step(x)
         elif where in ("outside", "nested"):
             inner = [next(block.children()) for block in model.blocks] if where == "nested" else []
-            with scopedckpt.checkpointing(model.blocks, *inner):
+            with scopedckpt.checkpointing(model.blocks, *inner, save=save):
                 loss = compiled(x).square().mean()
         else:
-            with scopedckpt.checkpointing(enabled=where == "calls"):
+            with scopedckpt.checkpointing(enabled=where == "calls", save=save):
                 loss = compiled(x).square().mean()
         if retain_graph:
             loss.backward(retain_graph=True)
@@ -247,11 +248,13 @@ def test_retain_graph_is_exact() -> None:
     _assert_equal(regions, plain)
 
 
-@pytest.mark.xfail(strict=True, reason="torch 2.13 inductor: second backward redraws masks")
+@pytest.mark.xfail(strict=False, reason="torch 2.13 inductor: second backward redraws masks")
 def test_torch_compiled_checkpoint_second_backward() -> None:
     """Kept to notice when torch fixes it: then compiled regions are exact here too.
 
-    Only with more than one intra-op thread (the suite runs with one).
+    Only with more than one intra-op thread (the suite runs with one), and not
+    on every machine: it failed on every run on one 2-core machine and passed
+    on every run on another, so it does not decide CI (not strict).
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -104,3 +104,31 @@ def test_the_generators_patch_torch_checkpoint_swaps_keep_their_signatures() -> 
         tc._checkpoint_without_reentrant_generator
     )
     assert tc._checkpoint_debug_enabled is None  # the switch's default, read as torch reads it
+
+
+def test_an_alias_detached_below_autograd_sees_later_in_place_changes() -> None:
+    """Selective saving's check for kept outputs changed in place (NOTE [ selective
+    saving ]); and why tensor factories are not keepable: their alias does not."""
+    kept: dict[str, torch.Tensor] = {}
+
+    class Keep(_torch_private.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.rand.default):
+                kept[str(func)] = _torch_private.detach_below_autograd(out)
+            return out
+
+    with Keep():
+        product = torch.mm(torch.ones(2, 2), torch.ones(2, 2))
+        product.add_(1)
+        noise = torch.rand(2)
+        noise.add_(1)
+    assert kept["aten.mm.default"]._version == product._version == 1
+    assert kept["aten.rand.default"]._version == 0  # a factory: a new tensor object
+
+
+def test_sac_ignored_ops_and_tracing_context_still_exist() -> None:
+    assert torch.ops.aten.detach.default in _torch_private.SAC_IGNORED_OPS
+    assert not _torch_private.tracing()
+    with torch._guards.tracing(torch._guards.TracingContext(None)):
+        assert _torch_private.tracing()

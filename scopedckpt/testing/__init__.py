@@ -175,12 +175,13 @@ def assert_checkpoint_equivalent(
     backward: BackwardMode = "backward",
     lr: float = 0.01,
     require_regions: bool = True,
+    save: Sequence[Any] | None = None,
 ) -> None:
     """Assert that training ``model`` with checkpointing is bit-for-bit training without.
 
     Two deep copies of ``model`` run ``steps`` training steps (forward, loss,
     backward, an SGD update) from the same seed: one inside
-    ``checkpointing(*targets)``, one without. Outputs, loss, every parameter
+    ``checkpointing(*targets, save=save)``, one without. Outputs, loss, every parameter
     gradient, every input gradient, every buffer (``running_mean``,
     ``num_batches_tracked``...), the global RNG state and the updated
     parameters are compared with ``torch.equal`` after every step. The model
@@ -211,6 +212,10 @@ def assert_checkpoint_equivalent(
     require_regions
         Fail if the checkpointed run made no checkpoint region, so a test
         cannot pass by checkpointing nothing.
+    save
+        A selective-saving policy for the checkpointed run (see
+        :func:`scopedckpt.checkpointing`); module instances in it are mapped
+        onto the copy like ``targets``.
 
     Raises
     ------
@@ -243,10 +248,13 @@ def assert_checkpoint_equivalent(
     checkpointed_model = copy.deepcopy(model)
 
     def scope(copy_of_model: nn.Module) -> checkpointing:
+        policy = None if save is None else _retarget(save, model, copy_of_model)
         if targets is None:
             children = tuple(copy_of_model.children()) or (copy_of_model,)
-            return checkpointing(*children)
-        return checkpointing(*_retarget(targets, model, copy_of_model), root=copy_of_model)
+            return checkpointing(*children, save=policy)
+        return checkpointing(
+            *_retarget(targets, model, copy_of_model), root=copy_of_model, save=policy
+        )
 
     plain = _run(plain_model, example_inputs, loss, None, steps, seed, backward, lr)
     before = COUNTERS.regions
@@ -260,11 +268,12 @@ def assert_checkpoint_equivalent(
     _compare(checkpointed, plain)
 
 
-def _retarget(targets: Sequence[Target], original: nn.Module, copied: nn.Module) -> list[Target]:
-    """Map module targets of ``original`` onto the same submodules of ``copied``."""
+def _retarget(targets: Sequence[Any], original: nn.Module, copied: nn.Module) -> list[Any]:
+    """Map module targets (or save= items) of ``original`` onto the same submodules of
+    ``copied``."""
     by_id = {id(m): name for name, m in original.named_modules()}
     copied_modules = dict(copied.named_modules())
-    result: list[Target] = []
+    result: list[Any] = []
     for target in targets:
         if isinstance(target, nn.Module):
             if id(target) not in by_id:
