@@ -134,41 +134,27 @@ def compiled_region(
     ``save``: the ``save=`` sequence given to :func:`scopedckpt.checkpoint`, or
     None for the innermost scope's policy.
     """
+    eager: dict[str, Any] = dict(  # for the eager regions below
+        preserve_rng_state=preserve_rng_state,
+        determinism_check=determinism_check,
+        early_stop=early_stop,
+        debug=debug,
+        context_fn=context_fn,
+        save=save,
+    )
     if MIRROR.eager:
-        return region_outside_dynamo(
-            fn,
-            owner,
-            args,
-            kwargs,
-            preserve_rng_state=preserve_rng_state,
-            determinism_check=determinism_check,
-            early_stop=early_stop,
-            debug=debug,
-            context_fn=context_fn,
-            save=save,
-        )
+        return region_outside_dynamo(fn, owner, args, kwargs, **eager)
     if not MIRROR.regions or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     if save is None:
-        save = MIRROR.save  # a parsed policy (or None)
+        save = eager["save"] = MIRROR.save  # a parsed policy (or None)
         key, modules = (-1, False) if save is None else (save.key, save.selects_modules)
     else:
         key, modules = _traced_policy_info(save)
     if modules or (key >= 0 and context_fn is not None):
         # torch's compiled selective checkpointing decides per aten op only, and
         # takes one context_fn: an eager region (a graph break) does both.
-        return _eager_policy_region(
-            fn,
-            owner,
-            args,
-            kwargs,
-            preserve_rng_state=preserve_rng_state,
-            determinism_check=determinism_check,
-            early_stop=early_stop,
-            debug=debug,
-            context_fn=context_fn,
-            save=save,
-        )
+        return _eager_policy_region(fn, owner, args, kwargs, **eager)
     options: dict[str, Any] = {}
     # Only what differs from torch's defaults: dynamo handles fewer keywords.
     if determinism_check != "default":
