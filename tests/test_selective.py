@@ -391,3 +391,42 @@ def test_transformer_layers_with_name_patterns_and_presets(save: Any) -> None:
     assert_checkpoint_equivalent(
         layers, torch.randn(3, 5, 16), steps=2, backward="grad_then_backward", save=save
     )
+
+
+def test_torch_checkpoint_calls_under_the_patch_take_the_scopes_policy() -> None:
+    """Library code calling torch.utils.checkpoint gets the scope's save= too."""
+    model = _model(inplace=False)
+    x = torch.randn(8, 16, requires_grad=True)
+    with OpCounter() as counter:
+        with (
+            scopedckpt.integrations.patch_torch_checkpoint(),
+            scopedckpt.checkpointing(save=[aten.addmm]),
+        ):
+            y = x
+            for block in model:
+                y = torch.utils.checkpoint.checkpoint(block, y, use_reentrant=False)
+        y.sum().backward()
+    assert counter.counts["aten.addmm"] == 6
+
+
+def test_backward_on_another_thread_serves_the_kept_outputs() -> None:
+    import threading
+
+    torch.manual_seed(0)
+    model = _model(inplace=True)
+    expected = _model(inplace=True)
+    x = torch.randn(8, 16)
+    torch.manual_seed(1)
+    with scopedckpt.checkpointing(*model, save=policies.save_matmuls):
+        loss = model(x).square().mean()
+    torch.manual_seed(1)
+    plain = expected(x).square().mean()
+    plain.backward()
+    thread = threading.Thread(target=loss.backward)
+    thread.start()
+    thread.join()
+    assert torch.equal(loss, plain)
+    for a, b in zip(model.parameters(), expected.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    for a, b in zip(model.buffers(), expected.buffers()):
+        assert torch.equal(a, b)
