@@ -70,12 +70,17 @@ def _forward(model: nn.Module, x: torch.Tensor, how: Any) -> torch.Tensor:
         return model(x).square().mean()
 
 
-def _step(model: nn.Module, x: torch.Tensor, how: Any) -> list[torch.Tensor]:
-    _forward(model, x, how).backward()
+def _backward(model: nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
+    """Backward, then clear the gradients; returns them."""
+    loss.backward()
     grads = [p.grad for p in model.parameters()]
     for p in model.parameters():
         p.grad = None
     return grads
+
+
+def _step(model: nn.Module, x: torch.Tensor, how: Any) -> list[torch.Tensor]:
+    return _backward(model, _forward(model, x, how))
 
 
 def _kept_by_forward(model: nn.Module, x: torch.Tensor, how: Any) -> int:
@@ -84,9 +89,7 @@ def _kept_by_forward(model: nn.Module, x: torch.Tensor, how: Any) -> int:
     before = heap.in_use()
     loss = _forward(model, x, how)
     kept = heap.in_use() - before
-    loss.backward()
-    for p in model.parameters():
-        p.grad = None
+    _backward(model, loss)
     return kept
 
 

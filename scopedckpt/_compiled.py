@@ -165,7 +165,7 @@ def compiled_region(
         options["context_fn"] = context_fn
     elif key >= 0:
         options["context_fn"] = functools.partial(compiled_contexts, key)
-    body = _EagerFallback(fn, owner, preserve_rng_state, save if key >= 0 else None)
+    body = _EagerFallback(fn, owner, preserve_rng_state, save)
     return torch_checkpoint.checkpoint(
         body,
         *args,

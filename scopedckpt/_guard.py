@@ -232,6 +232,17 @@ def unwind(frame: Frame) -> None:
             _put_back(entry)
 
 
+def _outside_numbering(
+    frame: Frame, step: Callable[[Frame, nn.Module], Any], module: nn.Module
+) -> Any:
+    """Run a guard step; under selective saving its copies are no op calls of the
+    region's (``internal`` in _selective.py)."""
+    if frame.tape.saved is None:
+        return step(frame, module)
+    with internal():
+        return step(frame, module)
+
+
 def _pre_hook(module: nn.Module, args: Any) -> None:
     if torch.compiler.is_dynamo_compiling() and not MIRROR.eager:
         # Compiled code with no eager frame in this thread has nothing to
@@ -241,17 +252,13 @@ def _pre_hook(module: nn.Module, args: Any) -> None:
     if frame is None:
         return
     if _guarded(module):
-        if frame.tape.saved is None:
-            enter(frame, module)
-            return
-        with internal():  # its copies are no op calls of the region's (_selective.py)
-            index = enter(frame, module)
+        index = _outside_numbering(frame, enter, module)
     else:
         # Counted all the same: a buffer registered lazily during the first
         # forward must not shift the call indices the recompute looks up.
         index = _count(frame, module)
-        if frame.tape.saved is None:
-            return
+    if frame.tape.saved is None:
+        return
     # Selective saving numbers op calls per module call (NOTE [ selective saving ]).
     frame.modules.append((id(module), index))
     if frame.selective is not None:
@@ -269,11 +276,7 @@ def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
         if frame.selective is not None:
             frame.selective.exit_module()
     if frame.guards and frame.guards[-1].module is module:
-        if frame.tape.saved is None:
-            exit_(frame, module)
-        else:
-            with internal():
-                exit_(frame, module)
+        _outside_numbering(frame, exit_, module)
 
 
 def acquire() -> None:
@@ -316,11 +319,10 @@ def guarded_call(owner: nn.Module, fn: Callable[..., Any]) -> Callable[..., Any]
     def call(*args: Any, **kwargs: Any) -> Any:
         frame = FRAME.get()
         assert frame is not None  # called by torch's checkpoint inside our frame
-        with internal():
-            enter(frame, owner)
+        _outside_numbering(frame, enter, owner)
         result = fn(*args, **kwargs)
-        with internal():
-            exit_(frame, owner)  # on an exception, unwind() cleans up when the frame ends
+        # On an exception, unwind() cleans up when the frame ends.
+        _outside_numbering(frame, exit_, owner)
         return result
 
     return call

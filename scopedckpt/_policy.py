@@ -106,7 +106,7 @@ class SavePolicy:
 
     def explicit(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether an op item or a callable selects this op call."""
-        if func in self.overloads or func.overloadpacket in self.packets:
+        if self.names(func):
             return True
         for policy in self.callables:
             decision = policy(_FORWARD_CONTEXT, func, *args, **kwargs)

@@ -175,18 +175,32 @@ def _key(func: Any, frame: Frame) -> tuple[Any, Any]:
     return func, modules[-1] if modules else None
 
 
-class SavingMode(TorchDispatchMode):
-    """The first forward of a region with a policy: record every op call's fate."""
+class _RegionMode(TorchDispatchMode):
+    """What both modes share: which op calls of the region are numbered."""
 
     def __init__(self, saved: Saved, frame: Frame) -> None:
         super().__init__()
         self._saved = saved
         self._frame = frame
         self._policy = saved.policy
+        self._only_ops = saved.policy.only_ops
+
+    def _numbered(self, func: Any) -> bool:
+        """Not: an op an op-only policy does not name (numbered in neither run),
+        scopedckpt's own bookkeeping, torch's ignored ops, a nested region's ops."""
+        if self._only_ops and not self._policy.names(func):
+            return False
+        return not (_INTERNAL.depth or func in SAC_IGNORED_OPS or FRAME.get() is not self._frame)
+
+
+class SavingMode(_RegionMode):
+    """The first forward of a region with a policy: record every op call's fate."""
+
+    def __init__(self, saved: Saved, frame: Frame) -> None:
+        super().__init__(saved, frame)
         self._explicit = bool(
             self._policy.overloads or self._policy.packets or self._policy.callables
         )
-        self._only_ops = saved.policy.only_ops
         self._selected: list[bool] = []  # per module call running now: selected?
         self._depth = 0  # how many selected modules are running now
 
@@ -203,9 +217,7 @@ class SavingMode(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if self._only_ops and not self._policy.names(func):
-            return func(*args, **kwargs)  # never numbered, in either run
-        if _INTERNAL.depth or func in SAC_IGNORED_OPS or FRAME.get() is not self._frame:
+        if not self._numbered(func):
             return func(*args, **kwargs)
         explicit = self._explicit and self._policy.explicit(func, args, kwargs)
         entries = self._saved.calls.setdefault(_key(func, self._frame), [])
@@ -241,23 +253,18 @@ class SavingMode(TorchDispatchMode):
         return out
 
 
-class ServingMode(TorchDispatchMode):
+class ServingMode(_RegionMode):
     """A recompute of a region with a policy: saved calls return their kept outputs."""
 
     def __init__(self, saved: Saved, frame: Frame) -> None:
-        super().__init__()
-        self._saved = saved
-        self._frame = frame
-        self._only_ops = saved.policy.only_ops
+        super().__init__(saved, frame)
         self._counts: dict[Any, int] = {}
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if self._only_ops and not self._saved.policy.names(func):
-            return func(*args, **kwargs)
-        if _INTERNAL.depth or func in SAC_IGNORED_OPS or FRAME.get() is not self._frame:
+        if not self._numbered(func):
             return func(*args, **kwargs)
         key = _key(func, self._frame)
         index = self._counts.get(key, 0)
