@@ -39,7 +39,8 @@ import scopedckpt
 from scopedckpt._demo import saved_activation_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import heap  # benchmarks/heap.py, next to this file
+import breakdown  # benchmarks/breakdown.py and heap.py, next to this file
+import heap
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = ("a", "b", "c", "d", "e")
@@ -248,17 +249,14 @@ def measurement_overheads(kind: str, depth: int, repeats: int) -> dict[str, floa
         with scopedckpt.memory_report():
             step(model, x)
 
-    plain, with_report = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step(model, x)
-        plain.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        reported()
-        with_report.append(time.perf_counter() - start)
+    # A few percent, measured: interleaved rounds on the same model (two models
+    # differ by as much here), four times as many as the step-time table's.
+    median = breakdown.interleaved(
+        {"plain": lambda: step(model, x), "reported": reported}, calls=1, rounds=4 * repeats
+    )
     return {
         "heap sampler": heap.sampling_overhead(lambda: step(model, x), repeats),
-        "memory_report": statistics.median(with_report) / statistics.median(plain),
+        "memory_report": median["reported"] / median["plain"],
     }
 
 
@@ -301,7 +299,9 @@ def dropout_step_ratio(repeats: int) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sweep, under 2 minutes")
+    parser.add_argument(
+        "--quick", action="store_true", help="small sweep without peak RSS, under 2 minutes"
+    )
     parser.add_argument(
         "--compiled",
         action="store_true",
@@ -331,11 +331,14 @@ def main() -> None:
     rss, heap_peak, overheads = {}, {}, {}
     for kind in MODELS:
         depth = depths[-1]
-        rss[kind] = {c: peak_rss_mib(kind, depth, c) for c in CONFIGS}
+        if not args.quick:  # a subprocess per configuration: most of --quick's time
+            rss[kind] = {c: peak_rss_mib(kind, depth, c) for c in CONFIGS}
         heap_peak[kind] = {c: peak_heap_mib(kind, depth, c) for c in CONFIGS}
         overheads[kind] = measurement_overheads(kind, depth, repeats)
     per_element = dropout_bytes_per_element()
     dropout_ratio = dropout_step_ratio(repeats * 4)
+    print("\nwhere the remaining time goes (benchmarks/breakdown.py):")
+    remaining = breakdown.main(rounds=5 if args.quick else 21)
 
     print(
         f"\n{'model':<12}{'depth':>6}{'(c)/(b) time':>14}{'(c)/(a) time':>14}{'(d)/(a) time':>14}"
@@ -379,6 +382,7 @@ def main() -> None:
                 "measurement_overheads": overheads,
                 "dropout_bytes_per_element": per_element,
                 "dropout_time_ratio": dropout_ratio,
+                "breakdown": remaining,
                 "quick": args.quick,
                 "torch": torch.__version__,
             },

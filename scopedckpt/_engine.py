@@ -89,7 +89,7 @@ class _EnterFrame:
                 saved_rng = self._tape.rng.current() if self._rewind else None
                 self._tape.rng.apply()
         frame = Frame(self._phase, self._tape, self._scope, self._owner)
-        _guard.acquire()
+        _guard.begin(frame)
         selective: _selective.SavingMode | _selective.ServingMode | None = None
         saved = self._tape.saved
         if saved is not None:  # NOTE [ selective saving ] in _selective.py
@@ -131,9 +131,8 @@ class _EnterFrame:
             else:
                 _report.recomputed(stats, _report.now() - measure)
         try:
-            _guard.unwind(frame)
+            _guard.end(frame)
         finally:
-            _guard.release()
             FRAME.reset(frame_token)
             SCOPE.reset(scope_token)
             if saved_rng is not None:
@@ -154,14 +153,16 @@ def _check_no_cache(
     Layers declaring ``_can_checkpoint_with_cache = True`` only read the cache
     (Hugging Face keeps it for them under its own checkpointing): allowed.
     """
-    layer = owner if owner is not None else label
-    if getattr(layer, "_can_checkpoint_with_cache", False) is True:
-        return
-    # Runs at every region entry: plain loops, names formatted only for the error.
+    # Runs at every region entry: plain loops, the layer's opt-out looked up (a
+    # failing nn.Module attribute lookup costs microseconds) and names formatted
+    # only when a cache is there.
     named = itertools.chain(enumerate(args), kwargs.items())
     for key, value in named:
         kind = type(value)
         if kind.__name__.endswith("Cache") and kind.__module__.startswith("transformers."):
+            layer = owner if owner is not None else label
+            if getattr(layer, "_can_checkpoint_with_cache", False) is True:
+                return
             if isinstance(key, int):
                 name = f"positional argument #{key}"
             else:

@@ -8,10 +8,17 @@ statistics, step counters, spectral norm's power iteration) would update it
 again. The guard makes every recompute see, and leave, module state exactly
 as the first forward did:
 
-* While any region frame is active, in any thread, a global module forward
-  pre-hook and forward hook (``always_call``) are installed (reference-counted
-  by frame entries; they return at once in contexts without a frame, and
-  trace to nothing in compiled code that runs in no eager frame).
+* A region's first forward finds the modules it calls through a global module
+  forward pre-hook, installed while any first-forward frame is active, in
+  any thread (reference-counted by frame entries; it returns at once in
+  contexts without a frame, and traces to nothing in compiled code that runs
+  in no eager frame). A global hook sends every module call down
+  ``nn.Module``'s slow path (2.5 us more per call of an empty module, hook
+  included, measured), so a recompute does without one: its tape says which
+  modules need guarding, and it hooks only those, while it runs (usually
+  none: converted models keep no module state on the tape). Strict mode and
+  selective saving, which must see every call, keep global hooks (a forward
+  hook too, run after each call) in recomputes as well.
 * *What is guarded:* the registered buffers (``module._buffers``, not those of
   submodules: each submodule is guarded at its own call) of every module
   called through ``__call__`` inside a region, and the region's owner module
@@ -20,20 +27,24 @@ as the first forward did:
   registered buffers, parameters changed in place in forward, globals:
   use :func:`scopedckpt.replay` or the protocol for those.
 * First forward: before each guarded call the module's buffers are copied
-  and the copies go on the tape, keyed by (module, how many calls of it came
-  before in this frame). All of them, not only those the call changed: a
+  and the copies go on the tape at once, keyed by (module, how many calls of
+  it came before in this frame). All of them, not only those the call changed: a
   buffer the call left bitwise unchanged (a running variance whose update
   rounds back to itself) may have been moved on by later calls when the
   recompute comes, and would then be updated for real (found by the property
   test). The cost is a copy of each called module's own buffers per call,
   kept until backward; modules without buffers (most) cost nothing.
-* Recompute: before the same call all of its buffers are swapped for fresh
-  copies of their values *before* the first forward's call, so the
-  recompute computes from the same state (a counter read after its update
-  reads the same number) and its own updates land on the copies; after the
-  call the real buffers are put back, untouched. Swapping objects rather than
-  copying values also keeps the real buffers' version counters, which the
-  first forward's graph may have saved.
+* Recompute: before the same call (the module's own hooks find it) all of
+  its buffers are swapped for fresh copies of their values *before* the
+  first forward's call, so the recompute computes from the same state (a
+  counter read after its update reads the same number) and its own updates
+  land on the copies; after the call the real buffers are put back,
+  untouched. Swapping objects rather than copying values also keeps the real
+  buffers' version counters, which the first forward's graph may have saved.
+  A module with buffers that only the recompute calls is not hooked there:
+  the region's control flow changed between forward and backward, which
+  torch's determinism check reports when the calls save tensors, and strict
+  mode always.
 * Scoped batch norm guards itself (throwaway running buffers, no copies), so
   the guard skips it: the fast path stays fast.
 * ``checkpointing(strict=True)`` turns a changed buffer into a
@@ -57,7 +68,7 @@ from ._selective import internal
 from ._state import FRAME, MIRROR, Frame, Phase, module_path
 from ._torch_private import module_buffers
 
-__all__ = ["ModuleState", "Stateful", "acquire", "guarded_call", "release", "unwind"]
+__all__ = ["ModuleState", "Stateful", "begin", "end", "guarded_call", "unwind"]
 
 
 @runtime_checkable
@@ -102,6 +113,7 @@ class Stateful(Protocol):
 class ModuleState:
     """What a recompute of one guarded call restores (on the tape)."""
 
+    module: nn.Module
     buffers: list[tuple[str, Tensor]]  # every buffer's value before the call
     state: Any  # the Stateful snapshot, or _NONE
 
@@ -119,8 +131,10 @@ class _Entry:
 _NONE = object()
 _SELF_GUARDED: set[Callable[..., Any]] = set()
 _LOCK = threading.Lock()
-_USERS = 0
-_HANDLES: list[RemovableHandle] = []
+# The global hooks installed now, by kind ("pre", "post"), and how many active
+# frames use each.
+_HANDLES: dict[str, RemovableHandle] = {}
+_USERS = {"pre": 0, "post": 0}
 
 
 def self_guarded(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -169,7 +183,9 @@ def enter(frame: Frame, module: nn.Module) -> int:
     if frame.phase is not Phase.RECOMPUTE:
         saved = [(n, b.clone()) for n, b in module_buffers(module).items() if b is not None]
         state = _snapshot(module) if stateful else _NONE
-        frame.guards.append(_Entry(module, index, saved, state))
+        frame.tape.states[(id(module), index)] = ModuleState(module, saved, state)
+        if frame.scope.strict:  # checked after the call (exit_)
+            frame.guards.append(_Entry(module, index, saved, state))
         return index
     record: ModuleState | None = frame.tape.states.get((id(module), index))
     if record is None:
@@ -193,14 +209,12 @@ def enter(frame: Frame, module: nn.Module) -> int:
 
 
 def exit_(frame: Frame, module: nn.Module) -> None:
-    """After a guarded call: record the state before it (forward) or put the reals back."""
-    entry: _Entry = frame.guards.pop()
+    """After a guarded call: strict mode's check (forward) or put the reals back."""
     if frame.phase is not Phase.RECOMPUTE:
         if frame.scope.strict:
-            _refuse_changes(frame, module, entry)
-        frame.tape.states[(id(module), entry.index)] = ModuleState(entry.saved, entry.state)
+            _refuse_changes(frame, module, frame.guards.pop())
         return
-    _put_back(entry)
+    _put_back(frame.guards.pop())
 
 
 def _refuse_changes(frame: Frame, module: nn.Module, entry: _Entry) -> None:
@@ -249,7 +263,7 @@ def _pre_hook(module: nn.Module, args: Any) -> None:
         # guard: trace nothing (NOTE [ torch.compile ] in _compiled.py).
         return
     frame = FRAME.get()
-    if frame is None:
+    if frame is None or frame.hooks is not None:
         return
     if _guarded(module):
         index = _outside_numbering(frame, enter, module)
@@ -269,7 +283,7 @@ def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
     if torch.compiler.is_dynamo_compiling() and not MIRROR.eager:
         return
     frame = FRAME.get()
-    if frame is None:
+    if frame is None or frame.hooks is not None:
         return
     if frame.tape.saved is not None and frame.modules:
         frame.modules.pop()
@@ -279,36 +293,79 @@ def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
         _outside_numbering(frame, exit_, module)
 
 
-def acquire() -> None:
-    """Install the global hooks while at least one frame is active, in any thread.
+def begin(frame: Frame) -> None:
+    """Start guarding the module calls of a frame that is being entered.
 
-    Per frame, not per region alive: compiled code that runs between regions
-    (a compiled head) then meets no hooks, and dynamo neither traces them nor
-    recompiles when they come and go.
+    A first forward, strict mode and selective saving use the global hooks
+    (installed while at least one frame uses them, in any thread). A plain
+    recompute hooks only the modules its tape has states of: global hooks
+    installed per frame, not per region alive, also mean that compiled code
+    running between regions (a compiled head) meets no hooks, and dynamo
+    neither traces them nor recompiles when they come and go.
     """
-    global _USERS
     MIRROR.frames += 1
     MIRROR.eager = True
-    with _LOCK:
-        _USERS += 1
-        if _USERS == 1:
-            _HANDLES.append(nn.modules.module.register_module_forward_pre_hook(_pre_hook))
-            _HANDLES.append(
-                nn.modules.module.register_module_forward_hook(_post_hook, always_call=True)
-            )
+    every_call = frame.scope.strict or frame.tape.saved is not None
+    if frame.phase is Phase.RECOMPUTE and not every_call:
+        modules = {id(s.module): s.module for s in frame.tape.states.values()}
+        frame.hooks = [h for m in modules.values() for h in _own_hooks(frame, m)]
+        return
+    _install("pre", nn.modules.module.register_module_forward_pre_hook, _pre_hook)
+    if every_call:
+        _install("post", _register_post_hook, _post_hook)
 
 
-def release() -> None:
-    """Remove the global hooks when the last active frame ends."""
-    global _USERS
-    MIRROR.frames -= 1
-    MIRROR.eager = MIRROR.frames > 0
-    with _LOCK:
-        _USERS -= 1
-        if _USERS == 0:
-            for handle in _HANDLES:
+def end(frame: Frame) -> None:
+    """Stop guarding a frame that is being left, leaving no swapped buffer behind."""
+    try:
+        unwind(frame)
+    finally:
+        MIRROR.frames -= 1
+        MIRROR.eager = MIRROR.frames > 0
+        if frame.hooks is not None:
+            for handle in frame.hooks:
                 handle.remove()
-            _HANDLES.clear()
+        else:
+            _uninstall("pre")
+            if frame.scope.strict or frame.tape.saved is not None:
+                _uninstall("post")
+
+
+def _register_post_hook(hook: Callable[..., Any]) -> RemovableHandle:
+    return nn.modules.module.register_module_forward_hook(hook, always_call=True)
+
+
+def _install(
+    kind: str, register: Callable[[Callable[..., Any]], RemovableHandle], hook: Callable[..., Any]
+) -> None:
+    with _LOCK:
+        _USERS[kind] += 1
+        if _USERS[kind] == 1:
+            _HANDLES[kind] = register(hook)
+
+
+def _uninstall(kind: str) -> None:
+    with _LOCK:
+        _USERS[kind] -= 1
+        if _USERS[kind] == 0:
+            _HANDLES.pop(kind).remove()
+
+
+def _own_hooks(frame: Frame, module: nn.Module) -> list[RemovableHandle]:
+    """Hooks on ``module`` alone that guard its calls in ``frame`` (a recompute)."""
+
+    def pre(module: nn.Module, args: Any) -> None:
+        if FRAME.get() is frame:  # other threads and frames may call it meanwhile
+            enter(frame, module)
+
+    def post(module: nn.Module, args: Any, output: Any) -> None:
+        if FRAME.get() is frame and frame.guards and frame.guards[-1].module is module:
+            exit_(frame, module)
+
+    return [
+        module.register_forward_pre_hook(pre),
+        module.register_forward_hook(post, always_call=True),
+    ]
 
 
 def guarded_call(owner: nn.Module, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -89,8 +89,9 @@ _DROPOUT_DOC = """{summary}
     generator
         Draw seeds from this generator instead of the default CPU generator.
     save_mask
-        Keep a one-byte-per-element mask for backward (default) or only the
-        seed, rebuilding the mask in backward (no memory, one more random pass).
+        Keep a one-byte-per-element mask for backward (default; channel-wise
+        dropout keeps its float noise, one value per channel) or only the seed,
+        rebuilding the mask in backward (no memory, one more random pass).
 
     Raises
     ------

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ._torch_private import top_saved_tensors_hooks
+from ._torch_private import module_buffers, top_saved_tensors_hooks
 
 __all__ = ["MemoryReport", "RegionStats", "memory_report"]
 
@@ -60,6 +60,7 @@ class RegionStats:
     recomputes: int = 0
     recompute_seconds: float = 0.0
     _seen: dict[int, Any] = field(default_factory=dict, repr=False)  # see _new_storage_bytes
+    _buffers: frozenset[int] = field(default=frozenset(), repr=False)  # the owner's buffer storages
     _freed: dict[int, int] = field(default_factory=dict, repr=False)  # storage -> bytes freed
 
 
@@ -205,13 +206,35 @@ def start(
         stats.kept_bytes += _new_storage_bytes(stats._seen, tensor)
     module = owner if owner is not None else label
     if isinstance(module, torch.nn.Module):
-        # Its parameters and buffers stay alive whatever the region saves.
-        for tensor in (*module.parameters(), *module.buffers()):
-            _new_storage_bytes(stats._seen, tensor)
+        # Its buffers stay alive whatever the region saves (parameters too: the
+        # pack hook tells them by type). A plain set: these live longer than
+        # the report, so they need no weak references (which cost more than the
+        # rest of this function on small blocks).
+        stats._buffers = _buffer_storages(module)
     with _LOCK:
         for report in _ACTIVE:
             report.regions.append(stats)
     return stats
+
+
+def _buffer_storages(module: torch.nn.Module) -> frozenset[int]:
+    """The storages of every buffer of ``module`` and its submodules.
+
+    Walks ``children()`` rather than ``buffers()``, whose qualified names a
+    region per block paid for at every step.
+    """
+    storages: set[int] = set()
+    pending, visited = [module], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in visited:
+            continue
+        visited.add(id(current))
+        for buffer in module_buffers(current).values():
+            if buffer is not None and buffer.layout is torch.strided:
+                storages.add(buffer.untyped_storage().data_ptr())
+        pending.extend(current.children())
+    return frozenset(storages)
 
 
 def _name(owner: object | None, label: object, root: Any) -> str:
@@ -268,16 +291,21 @@ class counting_saved_tensors:  # noqa: N801 - used like torch's saved_tensors_ho
         stats = self._stats
 
         seen = stats._seen
+        buffers = stats._buffers
         freed = stats._freed
-        parameter = torch.nn.Parameter
+        parameter, plain = torch.nn.Parameter, torch.Tensor
 
         def counting_pack(tensor: torch.Tensor) -> Any:
             # Runs for every saved tensor: the common case (seen, or a weight)
             # returns before any call.
             base = tensor._base
-            if not isinstance(tensor if base is None else base, parameter):  # a weight, or its transpose
+            owner = tensor if base is None else base  # a weight, or its transpose
+            # isinstance(x, Parameter) runs Python (Parameter's metaclass) for
+            # every plain tensor: tell those apart by type first.
+            kind = type(owner)
+            if kind is not parameter and (kind is plain or not isinstance(owner, parameter)):
                 key = tensor.untyped_storage().data_ptr()
-                if key not in seen:
+                if key not in seen and key not in buffers:
                     counted = _new_storage_bytes(seen, tensor)
                     stats.freed_bytes += counted
                     freed[key] = counted

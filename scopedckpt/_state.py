@@ -127,6 +127,7 @@ class Frame:
     guards: list[Any] = field(default_factory=list)  # _guard entries of modules running now
     selective: Any = None  # _selective.SavingMode tracking module calls (module policies)
     modules: list[tuple[int, int]] = field(default_factory=list)  # (id, call index) running now
+    hooks: list[Any] | None = None  # the module hooks guarding a recompute; None: global ones
 
     def take(self, kind: str, owner_id: int | None, label: object) -> Record:
         """Return the next record in ``RECOMPUTE``, checking it belongs to the owner."""

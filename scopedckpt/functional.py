@@ -8,8 +8,9 @@ the identical mask from it; no global RNG state is stashed or restored, and the
 global stream advances exactly as much as in a run without checkpointing.
 
 For backward the mask is kept as one byte per element (``save_mask=True``,
-the default) or rebuilt from the seed (``save_mask=False``: no memory, one more
-random pass in backward). Both give the same bits.
+the default; channel-wise dropout keeps its float noise, one value per channel)
+or rebuilt from the seed (``save_mask=False``: no memory, one more random pass
+in backward). Both give the same bits (NOTE [ two formulations ] in ``_mask.py``).
 
 NOTE [ aligned draws ]
 ======================
@@ -34,7 +35,7 @@ import torch
 from torch import Tensor
 
 from ._errors import ScopedCkptError
-from ._mask import Mask, MaskedDropout
+from ._mask import Mask, masked_dropout
 from ._state import FRAME, MIRROR, Phase, describe, tape_value
 from ._torch_private import scoped_draws
 
@@ -165,7 +166,7 @@ def _seeded_dropout(
         return input.mul_(zero) if inplace else input * zero
     shape = tuple(input.shape[:2]) + (1,) * (input.dim() - 2) if feature else tuple(input.shape)
     mask = Mask(seed, p, shape, input.device, alpha, save_mask)
-    return MaskedDropout.apply(input, mask, inplace)
+    return masked_dropout(input, mask, inplace)
 
 
 # It reads the region's tape: compiled code calls it behind a graph break.
@@ -333,8 +334,9 @@ def dropout(
     generator
         Draw this call's seed from it instead of the default CPU generator.
     save_mask
-        Keep a one-byte-per-element mask for backward (default) or only the
-        seed, rebuilding the mask in backward.
+        Keep a one-byte-per-element mask for backward (default; channel-wise
+        dropout keeps its float noise, one value per channel) or only the seed,
+        rebuilding the mask in backward.
 
     Returns
     -------

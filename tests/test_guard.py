@@ -122,7 +122,9 @@ def test_hooks_are_installed_only_while_a_region_runs() -> None:
         out = scopedckpt.checkpoint(body, x)
     assert not _guard._HANDLES
     out.sum().backward()
-    assert seen == [2, 2] and not _guard._HANDLES
+    # The first forward hooks every module call; a recompute only the modules
+    # with state on the tape (none here).
+    assert seen == [1, 0] and not _guard._HANDLES
 
 
 def test_scoped_batch_norm_skips_the_guard() -> None:
@@ -217,3 +219,38 @@ def test_a_module_with_buffers_called_more_often_in_the_recompute_raises() -> No
         match=re.escape("called a BatchNorm1d module (a module with buffers or state) for the 2."),
     ):
         out.sum().backward()
+
+
+def test_a_recompute_hooks_only_the_modules_with_state() -> None:
+    """No global hooks in a recompute: every module call would take nn.Module's slow path."""
+    bn, lin = nn.BatchNorm1d(4), nn.Linear(4, 4)
+    seen: list[tuple[int, int, int]] = []
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        seen.append((len(_guard._HANDLES), len(bn._forward_pre_hooks), len(lin._forward_pre_hooks)))
+        return bn(lin(x))
+
+    x = torch.randn(3, 4, requires_grad=True)
+    with scopedckpt.checkpointing():
+        out = scopedckpt.checkpoint(body, x)
+    out.sum().backward()
+    assert seen == [(1, 0, 0), (0, 1, 0)]
+    assert not bn._forward_pre_hooks and not bn._forward_hooks
+    assert int(bn.num_batches_tracked) == 1
+
+
+def test_strict_and_selective_recomputes_keep_the_global_hooks() -> None:
+    """Both must see every call in the recompute too."""
+    seen: list[int] = []
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        seen.append(len(_guard._HANDLES))
+        return x.sin()
+
+    x = torch.ones(2, requires_grad=True)
+    for options in ({"strict": True}, {"save": [torch.ops.aten.sin]}):
+        seen.clear()
+        with scopedckpt.checkpointing(**options):
+            out = scopedckpt.checkpoint(body, x)
+        out.sum().backward()
+        assert seen == [2, 2], options

@@ -479,3 +479,79 @@ def test_scoped_dropout_keeps_one_byte_per_element_or_none(save_mask: bool, per_
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         scopedckpt.Dropout(0.3, save_mask=save_mask)(x)
     assert sum(t.untyped_storage().nbytes() for t in saved) == per_element * x.numel()
+
+
+# --- Two formulations, one result (NOTE [ two formulations ] in _mask.py) ---
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns: tells -0.0 from 0.0 and one NaN from another."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(ints[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5, 0.77])
+@pytest.mark.parametrize(("shape", "channels"), [((64, 32), False), ((8, 16, 3, 3), True)])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_native_and_function_dropout_are_the_same_bits(
+    dtype: torch.dtype,
+    p: float,
+    shape: tuple[int, ...],
+    channels: bool,
+    inplace: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Plain ATen ops under torch's autograd and MaskedDropout give the same output
+    and gradient bits, signed zeros and infinities included."""
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=torch.float64).mul_(1e3).to(dtype)
+    x.view(-1)[:4] = torch.tensor([0.0, -0.0, float("inf"), -float("inf")], dtype=dtype)
+    grad = torch.randn(shape, dtype=torch.float64).mul_(1e3).to(dtype)
+    grad.view(-1)[4:6] = torch.tensor([-0.0, 0.0], dtype=dtype)
+    mask_shape = shape[:2] + (1,) * (len(shape) - 2) if channels else shape
+    mask = _mask.Mask(1234, p, mask_shape, x.device, False, True)
+
+    def run(native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        leaf = x.clone().requires_grad_()
+        start = leaf.clone() if inplace else leaf  # in place needs a non-leaf
+        if native:
+            out = _mask.masked_dropout(start, mask, inplace)
+        else:
+            out = _mask.MaskedDropout.apply(start, mask, inplace)
+        (g,) = torch.autograd.grad(out, leaf, grad)
+        return out.detach(), g
+
+    monkeypatch.setattr(_mask, "NATIVE_BELOW_ELEMENTS", 1 << 30)
+    out_native, grad_native = run(native=True)
+    assert not isinstance(
+        _mask.masked_dropout(x.clone().requires_grad_(), mask, False).grad_fn,
+        _mask.MaskedDropout._backward_cls,
+    )
+    out_function, grad_function = run(native=False)
+    assert torch.equal(_bits(out_native), _bits(out_function))
+    assert torch.equal(_bits(grad_native), _bits(grad_function))
+
+
+def test_large_element_wise_masks_take_the_function() -> None:
+    """The formulation depends on the call only, never on the phase."""
+    small = torch.randn(_mask.NATIVE_BELOW_ELEMENTS - 1, requires_grad=True)
+    large = torch.randn(_mask.NATIVE_BELOW_ELEMENTS, requires_grad=True)
+    layer = scopedckpt.Dropout(0.3)
+    assert "MaskedDropout" not in type(layer(small).grad_fn).__name__
+    assert "MaskedDropout" in type(layer(large).grad_fn).__name__
+    assert "MaskedDropout" in type(scopedckpt.Dropout(0.3, save_mask=False)(small).grad_fn).__name__
+
+
+@pytest.mark.parametrize("numel", [2048, 1 << 16])
+def test_both_formulations_keep_one_byte_per_element(numel: int) -> None:
+    saved: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    x = torch.randn(numel, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        scopedckpt.Dropout(0.3)(x)
+    assert sum(t.untyped_storage().nbytes() for t in saved) == numel

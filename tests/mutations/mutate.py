@@ -180,13 +180,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "the first recompute overwrites the recorded state a second recompute needs",
     ),
     Mutant(
-        "guard_records_only_changed_buffers",
+        "guard_records_live_buffers",
         "scopedckpt/_guard.py",
-        "ModuleState(entry.saved, entry.state)",
-        "ModuleState([(n, c) for n, c in entry.saved "
-        "if not _same(module_buffers(module).get(n), c)], entry.state)",
+        "saved = [(n, b.clone()) for n, b in module_buffers(module).items() if b is not None]",
+        "saved = [(n, b) for n, b in module_buffers(module).items() if b is not None]",
         ("tests/test_guard.py",),
-        "a buffer a call left bitwise unchanged is updated for real by its recompute later",
+        "the state recorded before a call is the live buffer, which the call then updates",
+    ),
+    Mutant(
+        "recompute_hooks_no_module",
+        "scopedckpt/_guard.py",
+        "frame.hooks = [h for m in modules.values() for h in _own_hooks(frame, m)]",
+        "frame.hooks = []",
+        ("tests/test_guard.py",),
+        "a plain recompute, which has no global hooks, guards none of the modules with state",
     ),
     Mutant(
         "guard_keeps_the_recompute_state",
@@ -288,11 +295,37 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "guard_hooks_never_released",
-        "scopedckpt/_engine.py",
-        "            _guard.release()\n            FRAME.reset(frame_token)",
-        "            FRAME.reset(frame_token)",
+        "scopedckpt/_guard.py",
+        '            _uninstall("pre")\n',
+        "            pass\n",
         ("tests/test_guard.py",),
         "the buffer guard's global hooks stay installed after the last frame",
+    ),
+    Mutant(
+        "report_counts_the_owners_buffers",
+        "scopedckpt/_report.py",
+        "if key not in seen and key not in buffers:",
+        "if key not in seen:",
+        ("tests/test_report.py",),
+        "the report counts the region module's running statistics, which stay alive, as freed",
+    ),
+    # Two dropout formulations (NOTE [ two formulations ] in _mask.py).
+    Mutant(
+        "native_dropout_rounds_its_scale",
+        "scopedckpt/_mask.py",
+        "scale = _SCALES[key] = float(torch.ones((), dtype=dtype).div_(1.0 - self.p))",
+        "scale = _SCALES[key] = 1.0 / (1.0 - self.p)",
+        ("tests/test_layers.py",),
+        "small dropouts scale kept elements by a rounded 1/(1-p): an ulp off torch's and the "
+        "Function's for some p",
+    ),
+    Mutant(
+        "native_dropout_keeps_float_noise",
+        "scopedckpt/_mask.py",
+        "    keep = mask._uniform().lt_(1.0 - mask.p).to(torch.uint8)\n",
+        "    keep = mask._uniform().lt_(1.0 - mask.p)\n",
+        ("tests/test_layers.py",),
+        "small dropouts keep 4 bytes per element for backward instead of 1",
     ),
     # Selective saving.
     Mutant(

@@ -1,0 +1,229 @@
+"""Where the remaining time goes: the measurements behind docs/benchmarks.md's profile.
+
+Run by ``python benchmarks/run.py`` (its "breakdown" section), or alone::
+
+    python benchmarks/breakdown.py
+
+Each function times its variants interleaved, in rotating order, in one process
+and returns medians, so machine noise hits every variant alike.
+
+* :func:`small_op_gap`: the small-op MLP step of torch's checkpoint (b) against
+  scopedckpt (c), (c) with the buffer guard's global module hooks switched off by
+  hand (not exact for unconverted stateful modules: a measurement only), and (e)
+  without the RNG replay.
+* :func:`region_cost`: the fixed cost of one region around a tiny block, in us.
+* :func:`dropout_floor`: a 64 x 64 dropout's forward + backward against
+  ``nn.Dropout``: the scoped layer, the plain ATen formulations it is built from
+  (with no scopedckpt bookkeeping at all), and the kernels that draw the mask.
+* :func:`dropout_formulations`: the scoped layer's two formulations (NOTE
+  [ two formulations ] in ``scopedckpt/_mask.py``) against ``nn.Dropout`` by
+  size: what ``NATIVE_BELOW_ELEMENTS`` was chosen from.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as tc
+from torch import nn
+
+import scopedckpt
+from scopedckpt import _guard, _mask
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def interleaved(
+    variants: dict[str, Callable[[], object]], calls: int, rounds: int
+) -> dict[str, float]:
+    """Median seconds per call of each variant, timed in rotating order."""
+    names = list(variants)
+    for name in names:  # warm-up
+        for _ in range(max(1, calls // 4)):
+            variants[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            for _ in range(calls):
+                variants[name]()
+            times[name].append((time.perf_counter() - start) / calls)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+class _GlobalHooksOff:
+    """Switch the buffer guard's global module hooks off (a measurement, not exact)."""
+
+    def __enter__(self) -> None:
+        self._install, self._uninstall = _guard._install, _guard._uninstall
+        _guard._install = _guard._uninstall = lambda *args: None  # type: ignore[assignment]
+
+    def __exit__(self, *exc: object) -> None:
+        _guard._install, _guard._uninstall = self._install, self._uninstall
+
+
+def small_op_gap(depth: int, rounds: int) -> dict[str, float]:
+    """Step time ratios on the small-op MLP: what the guard's hooks and the RNG replay cost."""
+    import run
+
+    models = {c: run.build("small_mlp", depth, c) for c in ("a", "b", "c", "e")}
+
+    def without_hooks() -> None:
+        # The same model as (c): two instances of one model differ by a few
+        # percent here (memory placement), more than what is measured.
+        with _GlobalHooksOff():
+            run.step(*models["c"])
+
+    variants: dict[str, Callable[[], object]] = {
+        c: (lambda m=models[c]: run.step(*m)) for c in models
+    }
+    variants["c, global hooks off"] = without_hooks
+    median = interleaved(variants, calls=1, rounds=rounds)
+    return {
+        "(c)/(b)": median["c"] / median["b"],
+        "(c, global hooks off)/(b)": median["c, global hooks off"] / median["b"],
+        "(e)/(b)": median["e"] / median["b"],
+        "(b) ms": median["b"] * 1e3,
+        "(c) - (b) per region, us": (median["c"] - median["b"]) / depth * 1e6,
+        "global hooks per region, us": (median["c"] - median["c, global hooks off"]) / depth * 1e6,
+    }
+
+
+class _Tiny(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sin().cos()
+
+
+def region_cost(rounds: int) -> dict[str, float]:
+    """Forward + backward of one region around ``sin().cos()`` of a 4 x 4 tensor, in us."""
+    block = _Tiny()
+    x = torch.ones(4, 4, requires_grad=True)
+
+    def plain() -> None:
+        with scopedckpt.checkpointing():
+            y = block(x)
+        y.sum().backward()
+
+    def torch_checkpoint() -> None:
+        with scopedckpt.checkpointing():
+            y = tc.checkpoint(block, x, use_reentrant=False)
+        y.sum().backward()
+
+    def ours() -> None:
+        with scopedckpt.checkpointing():
+            y = scopedckpt.checkpoint(block, x)
+        y.sum().backward()
+
+    median = interleaved(
+        {"plain": plain, "torch.utils.checkpoint": torch_checkpoint, "scopedckpt": ours},
+        calls=200,
+        rounds=rounds,
+    )
+    return {name: seconds * 1e6 for name, seconds in median.items()}
+
+
+def dropout_floor(rounds: int) -> dict[str, float]:
+    """A 64 x 64 dropout, forward + backward, relative to ``nn.Dropout``."""
+    p = 0.1
+    x = torch.randn(64, 64, requires_grad=True)
+    generator = torch.Generator()
+    scale = float(torch.ones(()).div_(1 - p))
+
+    def uniform() -> torch.Tensor:
+        generator.manual_seed(1)
+        return torch.rand(x.shape, generator=generator)
+
+    def one_byte() -> torch.Tensor:
+        # What the scoped layer runs below NATIVE_BELOW_ELEMENTS, with none of its
+        # bookkeeping: two autograd nodes, 1 byte per element kept.
+        return (x * uniform().lt_(1 - p).to(torch.uint8)).mul_(scale)
+
+    def four_bytes() -> torch.Tensor:
+        # One autograd node, as nn.Dropout: keeps the float noise, 4 bytes per element.
+        return x * uniform().lt_(1 - p).div_(1 - p)
+
+    reference = nn.Dropout(p)
+    layers = {
+        "scopedckpt.Dropout(save_mask=True)": scopedckpt.Dropout(p),
+        "scopedckpt.Dropout(save_mask=False)": scopedckpt.Dropout(p, save_mask=False),
+    }
+    variants: dict[str, Callable[[], object]] = {
+        "nn.Dropout": lambda: reference(x).sum().backward(),
+        **{name: (lambda m=m: m(x).sum().backward()) for name, m in layers.items()},
+        "ATen ops, 1 byte kept (two nodes)": lambda: one_byte().sum().backward(),
+        "ATen ops, 4 bytes kept (one node)": lambda: four_bytes().sum().backward(),
+        "sum + backward alone": lambda: x.sum().backward(),
+    }
+    median = interleaved(variants, calls=500, rounds=rounds)
+    kernels = interleaved(
+        {
+            "reseed + rand": uniform,
+            "bernoulli_": lambda: torch.empty_like(x).bernoulli_(1 - p),
+        },
+        calls=500,
+        rounds=rounds,
+    )
+    base = median["nn.Dropout"]
+    result = {name: seconds / base for name, seconds in median.items()}
+    result.update({f"{name}, us": seconds * 1e6 for name, seconds in kernels.items()})
+    result["nn.Dropout, us"] = base * 1e6
+    return result
+
+
+def dropout_formulations(rounds: int) -> dict[str, dict[str, float]]:
+    """Forward + backward of ``scopedckpt.Dropout(0.1)`` in each formulation, by size,
+    relative to ``nn.Dropout(0.1)``."""
+    reference, layer = nn.Dropout(0.1), scopedckpt.Dropout(0.1)
+    threshold = _mask.NATIVE_BELOW_ELEMENTS
+
+    def forced(x: torch.Tensor, native: bool) -> None:
+        _mask.NATIVE_BELOW_ELEMENTS = x.numel() + 1 if native else 0
+        try:
+            layer(x).sum().backward()
+        finally:
+            _mask.NATIVE_BELOW_ELEMENTS = threshold
+
+    result = {}
+    for rows, cols in ((64, 64), (64, 128), (128, 128), (128, 256), (256, 256)):
+        x = torch.randn(rows, cols, requires_grad=True)
+        median = interleaved(
+            {
+                "nn.Dropout": lambda x=x: reference(x).sum().backward(),
+                "ATen ops": lambda x=x: forced(x, native=True),
+                "autograd.Function": lambda x=x: forced(x, native=False),
+            },
+            calls=max(10, (1 << 18) // x.numel()),
+            rounds=rounds,
+        )
+        base = median.pop("nn.Dropout")
+        result[f"{rows}x{cols}"] = {name: seconds / base for name, seconds in median.items()}
+    return result
+
+
+def main(rounds: int = 21) -> dict[str, Any]:
+    results: dict[str, Any] = {
+        "small_op_gap (small_mlp, 8 blocks)": small_op_gap(8, rounds * 2),
+        "region_cost (us)": region_cost(rounds),
+        "dropout_floor (64x64, relative to nn.Dropout)": dropout_floor(rounds),
+    }
+    for section, values in results.items():
+        print(f"\n{section}:")
+        for name, value in values.items():
+            print(f"  {name:<44}{value:>10.3f}")
+    formulations = dropout_formulations(rounds)
+    print("\nscoped dropout's two formulations, relative to nn.Dropout:")
+    for size, ratios in formulations.items():
+        print(f"  {size:<12}" + ", ".join(f"{k}: {v:.2f}" for k, v in ratios.items()))
+    return {**results, "dropout_formulations (relative to nn.Dropout)": formulations}
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    main()
