@@ -360,10 +360,14 @@ _ULP_P = [0.021, 0.123]
 
 @pytest.mark.parametrize("dtype", _KEPT_DTYPES, ids=str)
 @pytest.mark.parametrize("p", _KEPT_P + _ULP_P)
-def test_kept_values_and_their_gradient_equal_torchs_bitwise(p: float, dtype: torch.dtype) -> None:
+# Both formulations (NOTE [ two formulations ] in _mask.py): below and above the size limit.
+@pytest.mark.parametrize("numel", [_mask.NATIVE_BELOW_ELEMENTS // 2, _mask.NATIVE_BELOW_ELEMENTS])
+def test_kept_values_and_their_gradient_equal_torchs_bitwise(
+    p: float, dtype: torch.dtype, numel: int
+) -> None:
     """The masks differ (another RNG path); where both keep an element, the bits agree."""
     torch.manual_seed(0)
-    x = (torch.rand(16384, dtype=torch.float64) + 1).to(dtype)  # no zeros: kept means nonzero
+    x = (torch.rand(numel, dtype=torch.float64) + 1).to(dtype)  # no zeros: kept means nonzero
     ours_in = x.clone().requires_grad_()
     theirs_in = x.clone().requires_grad_()
     ours = SF.dropout(ours_in, p)
@@ -491,7 +495,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("p", [0.1, 0.3, 0.5, 0.77])
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5, 0.77, *_ULP_P])
 @pytest.mark.parametrize(("shape", "channels"), [((64, 32), False), ((8, 16, 3, 3), True)])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_native_and_function_dropout_are_the_same_bits(

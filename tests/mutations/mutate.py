@@ -288,7 +288,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "report_counts_weights",
         "scopedckpt/_report.py",
-        "            if not isinstance(tensor if base is None else base, parameter):  # a weight, or its transpose",
+        "            if kind is not parameter and (kind is plain or not isinstance(owner, parameter)):",
         "            if True:",
         ("tests/test_report.py",),
         "the report counts the transposed weights linear layers save as freed by checkpointing",
