@@ -11,6 +11,11 @@ and returns medians, so machine noise hits every variant alike.
   scopedckpt (c), (c) with the buffer guard's global module hooks switched off by
   hand (not exact for unconverted stateful modules: a measurement only), and (e)
   without the RNG replay.
+* :func:`checkpoint_cost`: what checkpointing itself adds to a small-op MLP step,
+  each system on one model switched between its two modes: (b) - (a) on torch's
+  layers, (c) - (d) on the converted ones. Unlike the ratios between
+  configurations, which compare separate models, it carries no model-to-model
+  spread.
 * :func:`region_cost`: the fixed cost of one region around a tiny block, in us.
 * :func:`dropout_floor`: a 64 x 64 dropout's forward + backward against
   ``nn.Dropout``: the scoped layer, the plain ATen formulations it is built from
@@ -93,6 +98,40 @@ def small_op_gap(depth: int, rounds: int) -> dict[str, float]:
         "(b) ms": median["b"] * 1e3,
         "(c) - (b) per region, us": (median["c"] - median["b"]) / depth * 1e6,
         "global hooks per region, us": (median["c"] - median["c, global hooks off"]) / depth * 1e6,
+    }
+
+
+def checkpoint_cost(depth: int, rounds: int) -> dict[str, float]:
+    """Milliseconds checkpointing adds to a small-op MLP step, per system, on one model each."""
+    import run
+
+    plain, converted = run.build("small_mlp", depth, "b"), run.build("small_mlp", depth, "c")
+
+    def in_mode(built: tuple[nn.Module, torch.Tensor], mode: str) -> Callable[[], None]:
+        def go() -> None:
+            built[0].mode = mode
+            run.step(*built)  # type: ignore[arg-type]
+
+        return go
+
+    median = interleaved(
+        {
+            "a": in_mode(plain, "a"),
+            "b": in_mode(plain, "b"),
+            "d": in_mode(converted, "d"),
+            "c": in_mode(converted, "c"),
+        },
+        calls=1,
+        rounds=rounds,
+    )
+    torch_ms = (median["b"] - median["a"]) * 1e3
+    ours_ms = (median["c"] - median["d"]) * 1e3
+    return {
+        "(b) - (a), ms": torch_ms,
+        "(c) - (d), ms": ours_ms,
+        "difference per region, us": (ours_ms - torch_ms) / depth * 1e3,
+        "(d)/(a) on these two models": median["d"] / median["a"],
+        "(c)/(b) on these two models": median["c"] / median["b"],
     }
 
 
@@ -210,6 +249,7 @@ def dropout_formulations(rounds: int) -> dict[str, dict[str, float]]:
 def main(rounds: int = 21) -> dict[str, Any]:
     results: dict[str, Any] = {
         "small_op_gap (small_mlp, 8 blocks)": small_op_gap(8, rounds * 2),
+        "checkpoint_cost (small_mlp, 8 blocks)": checkpoint_cost(8, rounds * 4),
         "region_cost (us)": region_cost(rounds),
         "dropout_floor (64x64, relative to nn.Dropout)": dropout_floor(rounds),
     }
