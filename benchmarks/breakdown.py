@@ -16,6 +16,9 @@ and returns medians, so machine noise hits every variant alike.
   layers, (c) - (d) on the converted ones. Unlike the ratios between
   configurations, which compare separate models, it carries no model-to-model
   spread.
+* :func:`forward_hook_cost`: the first forward alone (no backward) of the converted
+  small-op MLP with and without the guard's global hook, and of the same model
+  without regions with and without an empty global hook.
 * :func:`region_cost`: the fixed cost of one region around a tiny block, in us.
 * :func:`dropout_floor`: a 64 x 64 dropout's forward + backward against
   ``nn.Dropout``: the scoped layer, the plain ATen formulations it is built from
@@ -135,6 +138,44 @@ def checkpoint_cost(depth: int, rounds: int) -> dict[str, float]:
     }
 
 
+def forward_hook_cost(depth: int, rounds: int) -> dict[str, float]:
+    """Microseconds per forward (no backward) of the converted small-op MLP."""
+    import run
+
+    model, x = run.build("small_mlp", depth, "c")
+
+    def forward(mode: str) -> Callable[[], None]:
+        def go() -> None:
+            model.mode = mode
+            with scopedckpt.checkpointing(enabled=mode == "c"):
+                model(x)
+
+        return go
+
+    def global_hooks_off() -> None:
+        with _GlobalHooksOff():
+            forward("c")()
+
+    def empty_global_hook() -> None:
+        handle = nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+        try:
+            forward("d")()
+        finally:
+            handle.remove()
+
+    median = interleaved(
+        {
+            "(c) forward": forward("c"),
+            "(c) forward, global hooks off": global_hooks_off,
+            "(d) forward": forward("d"),
+            "(d) forward, an empty global hook": empty_global_hook,
+        },
+        calls=5,
+        rounds=rounds,
+    )
+    return {f"{name}, us": seconds * 1e6 for name, seconds in median.items()}
+
+
 class _Tiny(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.sin().cos()
@@ -250,6 +291,7 @@ def main(rounds: int = 21) -> dict[str, Any]:
     results: dict[str, Any] = {
         "small_op_gap (small_mlp, 8 blocks)": small_op_gap(8, rounds * 2),
         "checkpoint_cost (small_mlp, 8 blocks)": checkpoint_cost(8, rounds * 4),
+        "forward_hook_cost (small_mlp, 8 blocks)": forward_hook_cost(8, rounds * 3),
         "region_cost (us)": region_cost(rounds),
         "dropout_floor (64x64, relative to nn.Dropout)": dropout_floor(rounds),
     }
