@@ -50,7 +50,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def interleaved(
     variants: dict[str, Callable[[], object]], calls: int, rounds: int
 ) -> dict[str, float]:
-    """Median seconds per call of each variant, timed in rotating order."""
+    """Median seconds per call of each variant, after a warm-up, timed in rotating order.
+
+    Rotating, so that no variant always follows the same one (a step after a big
+    one meets a different allocator and cache state).
+    """
     names = list(variants)
     for name in names:  # warm-up
         for _ in range(max(1, calls // 4)):

@@ -175,18 +175,9 @@ def saved_bytes(model: Blocks, x: torch.Tensor) -> int:
 
 def measure(kind: str, depth: int, repeats: int) -> dict[str, object]:
     models = {c: build(kind, depth, c) for c in CONFIGS}
-    for c in CONFIGS:  # warm-up
-        step(*models[c])
-    times: dict[str, list[float]] = {c: [] for c in CONFIGS}
-    for r in range(repeats):
-        # Rotate the order so that no configuration always follows the same one
-        # (a step after a big one meets a different allocator and cache state).
-        shift = r % len(CONFIGS)
-        for c in CONFIGS[shift:] + CONFIGS[:shift]:
-            start = time.perf_counter()
-            step(*models[c])
-            times[c].append(time.perf_counter() - start)
-    median = {c: statistics.median(times[c]) for c in CONFIGS}
+    median = breakdown.interleaved(
+        {c: (lambda m=models[c]: step(*m)) for c in CONFIGS}, calls=1, rounds=repeats
+    )
     saved = {c: saved_bytes(*models[c]) for c in CONFIGS}
     return {
         "model": kind,

@@ -305,7 +305,7 @@ def begin(frame: Frame) -> None:
     """
     MIRROR.frames += 1
     MIRROR.eager = True
-    every_call = frame.scope.strict or frame.tape.saved is not None
+    every_call = _every_call(frame)
     if frame.phase is Phase.RECOMPUTE and not every_call:
         modules = {id(s.module): s.module for s in frame.tape.states.values()}
         frame.hooks = [h for m in modules.values() for h in _own_hooks(frame, m)]
@@ -327,8 +327,14 @@ def end(frame: Frame) -> None:
                 handle.remove()
         else:
             _uninstall("pre")
-            if frame.scope.strict or frame.tape.saved is not None:
+            if _every_call(frame):
                 _uninstall("post")
+
+
+def _every_call(frame: Frame) -> bool:
+    """Whether the frame must see every module call, and after it too: strict
+    mode's check and selective saving's module numbering."""
+    return frame.scope.strict or frame.tape.saved is not None
 
 
 def _register_post_hook(hook: Callable[..., Any]) -> RemovableHandle:

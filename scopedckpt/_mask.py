@@ -74,6 +74,11 @@ class Mask:
         with scoped_draws():
             return torch.rand(self.shape, generator=generator, device=self.device)
 
+    def keep(self) -> Tensor:
+        """The keep-mask ``rand < 1 - p`` as 0/1 floats, compared in place on the
+        draws: one definition for every formulation (NOTE [ two formulations ])."""
+        return self._uniform().lt_(1.0 - self.p)
+
     def draw(self, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
         """The keep-mask ``rand < 1 - p`` as 0/1 in ``dtype``, and as bytes to keep
         for backward (``save_mask``) or None.
@@ -82,7 +87,7 @@ class Mask:
         float draws takes 5 us and bool-to-float conversion 21 us, so the mask
         is made in float and kept as uint8 (5 us back to float), not as bool.
         """
-        unit = self._uniform().lt_(1.0 - self.p)
+        unit = self.keep()
         kept = unit.to(torch.uint8) if self.save_mask else None
         return (unit if unit.dtype == dtype else unit.to(dtype)), kept
 
@@ -194,11 +199,11 @@ def masked_dropout(input: Tensor, mask: Mask, inplace: bool) -> Tensor:
     if not mask.save_mask or mask.alpha:
         return MaskedDropout.apply(input, mask, inplace)
     if mask.shape != tuple(input.shape):  # channel-wise: the noise broadcasts
-        unit = mask._uniform().lt_(1.0 - mask.p)
+        unit = mask.keep()
         noise = mask._noise(unit if unit.dtype == input.dtype else unit.to(input.dtype))
         return input.mul_(noise) if inplace else input * noise
     if input.numel() >= NATIVE_BELOW_ELEMENTS:
         return MaskedDropout.apply(input, mask, inplace)
-    keep = mask._uniform().lt_(1.0 - mask.p).to(torch.uint8)
+    keep = mask.keep().to(torch.uint8)
     out = input.mul_(keep) if inplace else input * keep
     return out.mul_(mask.scale(input.dtype))

@@ -109,7 +109,17 @@ def test_early_stop_and_errors_put_the_real_buffers_back() -> None:
     assert not _guard._HANDLES  # the global hooks are gone with the last frame
 
 
-def test_hooks_are_installed_only_while_a_region_runs() -> None:
+# The first forward hooks every module call; a plain recompute only the modules
+# with state on the tape (none here); strict mode and selective saving must see
+# every call in the recompute too, and after it (two global hooks).
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [({}, [1, 0]), ({"strict": True}, [2, 2]), ({"save": [torch.ops.aten.sin]}, [2, 2])],
+    ids=["plain", "strict", "selective"],
+)
+def test_hooks_are_installed_only_while_a_region_runs(
+    options: dict[str, object], expected: list[int]
+) -> None:
     seen: list[int] = []
 
     def body(x: torch.Tensor) -> torch.Tensor:
@@ -118,13 +128,11 @@ def test_hooks_are_installed_only_while_a_region_runs() -> None:
 
     x = torch.ones(2, requires_grad=True)
     assert not _guard._HANDLES
-    with scopedckpt.checkpointing():
+    with scopedckpt.checkpointing(**options):  # type: ignore[arg-type]
         out = scopedckpt.checkpoint(body, x)
     assert not _guard._HANDLES
     out.sum().backward()
-    # The first forward hooks every module call; a recompute only the modules
-    # with state on the tape (none here).
-    assert seen == [1, 0] and not _guard._HANDLES
+    assert seen == expected and not _guard._HANDLES
 
 
 def test_scoped_batch_norm_skips_the_guard() -> None:
@@ -237,20 +245,3 @@ def test_a_recompute_hooks_only_the_modules_with_state() -> None:
     assert seen == [(1, 0, 0), (0, 1, 0)]
     assert not bn._forward_pre_hooks and not bn._forward_hooks
     assert int(bn.num_batches_tracked) == 1
-
-
-def test_strict_and_selective_recomputes_keep_the_global_hooks() -> None:
-    """Both must see every call in the recompute too."""
-    seen: list[int] = []
-
-    def body(x: torch.Tensor) -> torch.Tensor:
-        seen.append(len(_guard._HANDLES))
-        return x.sin()
-
-    x = torch.ones(2, requires_grad=True)
-    for options in ({"strict": True}, {"save": [torch.ops.aten.sin]}):
-        seen.clear()
-        with scopedckpt.checkpointing(**options):
-            out = scopedckpt.checkpoint(body, x)
-        out.sum().backward()
-        assert seen == [2, 2], options

@@ -322,8 +322,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "native_dropout_keeps_float_noise",
         "scopedckpt/_mask.py",
-        "    keep = mask._uniform().lt_(1.0 - mask.p).to(torch.uint8)\n",
-        "    keep = mask._uniform().lt_(1.0 - mask.p)\n",
+        "    keep = mask.keep().to(torch.uint8)\n",
+        "    keep = mask.keep()\n",
         ("tests/test_layers.py",),
         "small dropouts keep 4 bytes per element for backward instead of 1",
     ),
