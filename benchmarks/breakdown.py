@@ -9,8 +9,9 @@ and returns medians, so machine noise hits every variant alike.
 
 * :func:`small_op_gap`: the small-op MLP step of torch's checkpoint (b) against
   scopedckpt (c), (c) with the buffer guard's global module hooks switched off by
-  hand (not exact for unconverted stateful modules: a measurement only), and (e)
-  without the RNG replay.
+  hand (not exact for unconverted stateful modules: a measurement only), (e)
+  without the RNG replay, and (c)'s converted model checkpointed by torch, which
+  splits (c) - (b) into scopedckpt's region machinery and its layers.
 * :func:`checkpoint_cost`: what checkpointing itself adds to a small-op MLP step,
   each system on one model switched between its two modes: (b) - (a) on torch's
   layers, (c) - (d) on the converted ones. Unlike the ratios between
@@ -82,7 +83,8 @@ class _GlobalHooksOff:
 
 
 def small_op_gap(depth: int, rounds: int) -> dict[str, float]:
-    """Step time ratios on the small-op MLP: what the guard's hooks and the RNG replay cost."""
+    """Step time ratios on the small-op MLP: what the guard's hooks, the RNG replay, the
+    regions' machinery and the scoped layers cost."""
     import run
 
     models = {c: run.build("small_mlp", depth, c) for c in ("a", "b", "c", "e")}
@@ -93,18 +95,36 @@ def small_op_gap(depth: int, rounds: int) -> dict[str, float]:
         with _GlobalHooksOff():
             run.step(*models["c"])
 
+    def under_torchs_checkpoint() -> None:
+        # (c)'s model, its regions made by torch's checkpoint instead: the same
+        # kernels (a recompute draws a dropout seed either way), none of
+        # scopedckpt's region machinery. Not exact (new masks in the
+        # recompute): a measurement only.
+        model, x = models["c"]
+        model.mode = "b"
+        try:
+            run.step(model, x)
+        finally:
+            model.mode = "c"
+
     variants: dict[str, Callable[[], object]] = {
         c: (lambda m=models[c]: run.step(*m)) for c in models
     }
     variants["c, global hooks off"] = without_hooks
+    variants["c's model, torch's checkpoint"] = under_torchs_checkpoint
     median = interleaved(variants, calls=1, rounds=rounds)
+    per_region = {k: v / depth * 1e6 for k, v in median.items()}
     return {
         "(c)/(b)": median["c"] / median["b"],
         "(c, global hooks off)/(b)": median["c, global hooks off"] / median["b"],
         "(e)/(b)": median["e"] / median["b"],
         "(b) ms": median["b"] * 1e3,
-        "(c) - (b) per region, us": (median["c"] - median["b"]) / depth * 1e6,
-        "global hooks per region, us": (median["c"] - median["c, global hooks off"]) / depth * 1e6,
+        "(c) - (b) per region, us": per_region["c"] - per_region["b"],
+        "global hooks per region, us": per_region["c"] - per_region["c, global hooks off"],
+        "region machinery per region, us": per_region["c"]
+        - per_region["c's model, torch's checkpoint"],
+        "scoped layers - torch's per region, us": per_region["c's model, torch's checkpoint"]
+        - per_region["b"],
     }
 
 
@@ -217,21 +237,17 @@ def dropout_floor(rounds: int) -> dict[str, float]:
     """A 64 x 64 dropout, forward + backward, relative to ``nn.Dropout``."""
     p = 0.1
     x = torch.randn(64, 64, requires_grad=True)
-    generator = torch.Generator()
-    scale = float(torch.ones(()).div_(1 - p))
-
-    def uniform() -> torch.Tensor:
-        generator.manual_seed(1)
-        return torch.rand(x.shape, generator=generator)
+    mask = _mask.Mask(1, p, tuple(x.shape), x.device, alpha=False, save_mask=True)
+    scale = mask.scale(x.dtype)
 
     def one_byte() -> torch.Tensor:
         # What the scoped layer runs below NATIVE_BELOW_ELEMENTS, with none of its
         # bookkeeping: two autograd nodes, 1 byte per element kept.
-        return (x * uniform().lt_(1 - p).to(torch.uint8)).mul_(scale)
+        return (x * mask.keep()).mul_(scale)
 
     def four_bytes() -> torch.Tensor:
         # One autograd node, as nn.Dropout: keeps the float noise, 4 bytes per element.
-        return x * uniform().lt_(1 - p).div_(1 - p)
+        return x * mask.keep().to(x.dtype).div_(1 - p)
 
     reference = nn.Dropout(p)
     layers = {
@@ -248,7 +264,8 @@ def dropout_floor(rounds: int) -> dict[str, float]:
     median = interleaved(variants, calls=500, rounds=rounds)
     kernels = interleaved(
         {
-            "reseed + rand": uniform,
+            "reseed + the mask's bits": mask._bits,
+            "reseed + the mask's bits + compare": mask.keep,
             "bernoulli_": lambda: torch.empty_like(x).bernoulli_(1 - p),
         },
         calls=500,
@@ -275,7 +292,7 @@ def dropout_formulations(rounds: int) -> dict[str, dict[str, float]]:
             _mask.NATIVE_BELOW_ELEMENTS = threshold
 
     result = {}
-    for rows, cols in ((64, 64), (64, 128), (128, 128), (128, 256), (256, 256)):
+    for rows, cols in ((64, 64), (128, 128), (128, 256), (256, 256), (256, 512), (512, 512)):
         x = torch.randn(rows, cols, requires_grad=True)
         median = interleaved(
             {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import pickle
 import re
 import threading
@@ -392,6 +393,67 @@ def test_alpha_dropout_values_equal_torchs_bitwise(p: float, dtype: torch.dtype)
     assert int(kept.sum()) > 50
     assert torch.equal(ours[kept], theirs[kept])
     assert torch.equal(ours[ours <= 0].unique(), theirs[theirs <= 0].unique())
+
+
+
+# --- The mask's bits (NOTE [ mask bits ] in _mask.py) ---
+
+
+@pytest.mark.parametrize("p", [1e-3, 0.1, 0.5, 0.9])
+def test_masks_keep_each_element_with_probability_one_minus_p(p: float) -> None:
+    """Even and odd elements alike: they are the two 32-bit halves of one 64-bit draw."""
+    n = 1 << 20
+    keep = _mask.Mask(7, p, (n,), torch.device("cpu"), False, True).keep()
+    assert keep.dtype == torch.uint8 and set(keep.unique().tolist()) <= {0, 1}
+    for half in (keep[0::2], keep[1::2]):
+        rate = float(half.double().mean())
+        sigma = (p * (1 - p) / half.numel()) ** 0.5
+        assert abs(rate - (1 - p)) < 6 * sigma, (p, rate)
+    # Neighbours are independent: both kept as often as (1 - p) ** 2.
+    both = float((keep[0::2] & keep[1::2]).double().mean())
+    assert abs(both - (1 - p) ** 2) < 6 * ((1 - p) ** 2 / (n // 2)) ** 0.5 + 1e-9
+
+
+def test_mask_thresholds_are_one_minus_p_in_units_of_two_to_the_minus_32() -> None:
+    for p in (1e-3, 0.1, 0.3, 0.5, 0.75):
+        assert _mask._threshold(p) + 2**31 == round((1 - p) * 2**32)
+    # The extremes stay inside int32: keep nearly all, or nearly none.
+    assert _mask._threshold(1e-15) == 2**31 - 1
+    assert _mask._threshold(1 - 1e-15) == -(2**31)
+    many = (1 << 16,)
+    assert bool(_mask.Mask(3, 1e-15, many, torch.device("cpu"), False, True).keep().all())
+    assert not bool(_mask.Mask(3, 1 - 1e-15, many, torch.device("cpu"), False, True).keep().any())
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (3, 5), (1 << 15,), (7, 1, 1)])
+def test_masks_depend_on_the_seed_alone(shape: tuple[int, ...]) -> None:
+    """Not on the number of threads, and odd sizes take a prefix of the same draws."""
+    def keep(seed: int) -> torch.Tensor:
+        return _mask.Mask(seed, 0.5, shape, torch.device("cpu"), False, True).keep()
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = keep(11)
+        torch.set_num_threads(2)
+        two = keep(11)
+    finally:
+        torch.set_num_threads(threads)
+    assert one.shape == shape and torch.equal(one, two)
+    longer = _mask.Mask(11, 0.5, (math.prod(shape) + 1,), torch.device("cpu"), False, True).keep()
+    assert torch.equal(one.reshape(-1), longer[: one.numel()])
+    if one.numel() > 64:
+        assert not torch.equal(keep(12), one)
+
+
+
+def test_the_scale_is_computed_on_the_cpu_whatever_the_default_device() -> None:
+    """CUDA divides by a scalar as a multiply by its reciprocal (an ulp off for some p)."""
+    expected = float(torch.ones((), device="cpu").div_(1 - 0.021))
+    _mask._SCALES.clear()
+    with torch.device("meta"):
+        scale = _mask.Mask(1, 0.021, (4,), torch.device("cpu"), False, True).scale(torch.float32)
+    assert scale == expected
 
 
 # --- The per-thread mask generator ---

@@ -108,16 +108,16 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "dropout_scale_off_by_1e-6",
         "scopedckpt/_mask.py",
-        "unit.div_(1.0 - self.p)",
-        "unit.mul_(1.0 / (1.0 - self.p) + 1e-6)",
+        "else self.scale(unit.dtype))",
+        "else self.scale(unit.dtype) + 1e-6)",
         ("tests/test_layers.py",),
         "kept elements are scaled by 1/(1-p) + 1e-6, not exactly as torch scales them",
     ),
     Mutant(
         "dropout_scale_rounded_from_double",
         "scopedckpt/_mask.py",
-        "unit.div_(1.0 - self.p)",
-        "unit.mul_(1.0 / (1.0 - self.p))",
+        "else self.scale(unit.dtype))",
+        "else 1.0 / (1.0 - self.p))",
         ("tests/test_layers.py",),
         "float32 kept values 1 ulp off torch's for about a quarter of all p",
     ),
@@ -272,8 +272,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "mask_kept_as_floats",
         "scopedckpt/_mask.py",
-        "        kept = unit.to(torch.uint8) if self.save_mask else None",
-        "        kept = unit.clone() if self.save_mask else None",
+        "        return keep.to(dtype), (keep if self.save_mask else None)",
+        "        return keep.to(dtype), (keep.to(dtype) if self.save_mask else None)",
         ("tests/test_layers.py",),
         "scoped dropout keeps 4 bytes per element for backward instead of 1",
     ),
@@ -313,19 +313,45 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "native_dropout_rounds_its_scale",
         "scopedckpt/_mask.py",
-        "scale = _SCALES[key] = float(torch.ones((), dtype=dtype).div_(1.0 - self.p))",
+        'scale = _SCALES[key] = float(torch.ones((), dtype=dtype, device="cpu").div_(1.0 - self.p))',
         "scale = _SCALES[key] = 1.0 / (1.0 - self.p)",
         ("tests/test_layers.py",),
         "small dropouts scale kept elements by a rounded 1/(1-p): an ulp off torch's and the "
         "Function's for some p",
     ),
     Mutant(
+        "scale_computed_on_the_default_device",
+        "scopedckpt/_mask.py",
+        'torch.ones((), dtype=dtype, device="cpu").div_(1.0 - self.p)',
+        "torch.ones((), dtype=dtype).div_(1.0 - self.p)",
+        ("tests/test_layers.py",),
+        "the scale is divided on the default device: on CUDA, a multiply by the reciprocal",
+    ),
+    Mutant(
         "native_dropout_keeps_float_noise",
         "scopedckpt/_mask.py",
-        "    keep = mask.keep().to(torch.uint8)\n",
-        "    keep = mask.keep()\n",
+        "    keep = mask.keep()\n    out = input.mul_(keep)",
+        "    keep = mask.keep().to(input.dtype)\n    out = input.mul_(keep)",
         ("tests/test_layers.py",),
         "small dropouts keep 4 bytes per element for backward instead of 1",
+    ),
+    # The mask's bits (NOTE [ mask bits ] in _mask.py).
+    Mutant(
+        "mask_bits_lose_the_sign_bit",
+        "scopedckpt/_mask.py",
+        "words.random_(-(1 << 63), None, generator=generator)",
+        "words.random_(generator=generator)",
+        ("tests/test_layers.py",),
+        "int64 random_ without a range draws 63 bits: odd elements (the high halves) are kept "
+        "more often than 1 - p",
+    ),
+    Mutant(
+        "mask_threshold_off_by_a_factor",
+        "scopedckpt/_mask.py",
+        "keep = min(round((1.0 - p) * 2.0**32), (1 << 32) - 1)",
+        "keep = min(round((1.0 - p) * 2.0**31), (1 << 32) - 1)",
+        ("tests/test_layers.py",),
+        "the threshold is computed on the wrong scale: keep rates are not 1 - p",
     ),
     # Selective saving.
     Mutant(

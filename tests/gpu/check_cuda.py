@@ -1,0 +1,219 @@
+"""Checks that need a CUDA device, run by hand: ``python tests/gpu/check_cuda.py``.
+
+CI has no GPU, so pytest does not collect this file. It checks, on the
+default CUDA device: the mask's bits (NOTE [ mask bits ]), that both dropout
+formulations give the same bits and float32/float64 kept values equal
+``F.dropout``'s (NOTE [ two formulations ]), that the CUDA backward runs in
+another thread, exactness of eager training with regions (converted and not,
+with unscoped ``F.dropout`` and ``torch.rand_like`` in the blocks, plain and
+``retain_graph`` backward), and that compiled training with scopedckpt's
+regions lands where compiled training with torch's checkpoint does. It prints
+what it only reports: float16/bfloat16 kept values against torch's fused CUDA
+dropout, and compiled checkpointing against compiled training without it.
+Exit status 0 when every check passed.
+"""
+
+import sys
+import threading
+import traceback
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import scopedckpt
+from scopedckpt import _mask
+from scopedckpt.testing import assert_checkpoint_equivalent
+
+dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+failures = 0
+
+
+def check(name, fn):
+    global failures
+    try:
+        fn()
+        print("PASS", name)
+    except Exception:
+        failures += 1
+        print("FAIL", name)
+        traceback.print_exc()
+
+
+def mask_bits():
+    for p in (1e-3, 0.1, 0.5, 0.9):
+        m = _mask.Mask(7, p, (1 << 22,), dev, False, True)
+        k1, k2 = m.keep(), m.keep()
+        assert k1.device.type == dev.type and k1.dtype == torch.uint8 and torch.equal(k1, k2)
+        for half in (k1[0::2], k1[1::2]):
+            rate = float(half.double().mean())
+            sigma = (p * (1 - p) / half.numel()) ** 0.5
+            assert abs(rate - (1 - p)) < 6 * sigma, (p, rate)
+    odd = _mask.Mask(3, 0.5, (3, 5), dev, False, True).keep()
+    assert odd.shape == (3, 5)
+
+
+def kept_values_bitwise():
+    bad, half = [], []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        for p in (0.1, 0.021, 0.3, 0.37):
+            for n in (4096, 1 << 16):
+                x = (torch.rand(n, device=dev, dtype=torch.float64) + 1).to(dtype)
+                ours = scopedckpt.Dropout(p)(x)
+                ref = F.dropout(x, p, True)
+                both = (ours != 0) & (ref != 0)
+                if not torch.equal(ours[both], ref[both]):
+                    d = (ours[both].double() - ref[both].double()).abs().max().item()
+                    # torch's fused CUDA dropout scales half types in float
+                    (half if dtype in (torch.float16, torch.bfloat16) else bad).append(
+                        (str(dtype), p, n, "vs torch", d)
+                    )
+                # the two formulations against each other
+                m = _mask.Mask(5, p, (n,), dev, False, True)
+                old = _mask.NATIVE_BELOW_ELEMENTS
+                try:
+                    _mask.NATIVE_BELOW_ELEMENTS = 1 << 30
+                    native = _mask.masked_dropout(x, m, False)
+                    _mask.NATIVE_BELOW_ELEMENTS = 0
+                    function = _mask.masked_dropout(x, m, False)
+                finally:
+                    _mask.NATIVE_BELOW_ELEMENTS = old
+                if not torch.equal(native, function):
+                    bad.append((str(dtype), p, n, "native vs function"))
+    for b in half:
+        print("    reported:", b)
+    for b in bad:
+        print("   ", b)
+    assert not bad
+
+
+class Block(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.fc1, self.bn, self.drop, self.fc2 = (
+            nn.Linear(w, w),
+            nn.BatchNorm1d(w),
+            nn.Dropout(0.1),
+            nn.Linear(w, w),
+        )
+
+    def forward(self, x):
+        h = self.drop(F.gelu(self.bn(self.fc1(x))))
+        h = F.dropout(h, 0.2, self.training)  # unscoped functional dropout
+        return x + self.fc2(h) * torch.rand_like(h).gt(0.1)  # an unscoped random op
+
+
+def model(convert):
+    torch.manual_seed(0)
+    m = nn.Sequential(*[Block(64) for _ in range(4)]).to(dev)
+    return scopedckpt.convert(m) if convert else m
+
+
+def exact(convert, backward):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = model(convert)
+    x = torch.randn(32, 64, device=dev)
+    assert_checkpoint_equivalent(m, x, steps=3, backward=backward)
+
+
+def worker_thread_sees_no_forward_context():
+    # The CUDA backward runs in an autograd device thread: check it is another thread.
+    seen = []
+    x = torch.randn(4, 4, device=dev, requires_grad=True)
+    y = x.sin()
+    y.register_hook(lambda g: seen.append(threading.get_ident()) or g)
+    y.sum().backward()
+    print("   backward hook thread differs from main:", seen[0] != threading.get_ident())
+
+
+def compiled():
+    import warnings
+
+    warnings.simplefilter("ignore")
+    x = torch.randn(32, 64, device=dev)
+
+    def run(convert, mode, drop):
+        torch.manual_seed(0)
+        mm = nn.Sequential(*[Block(64) for _ in range(4)]).to(dev)
+        for mod in mm.modules():
+            if isinstance(mod, nn.Dropout):
+                mod.p = drop
+        if convert:
+            mm = scopedckpt.convert(mm)
+        torch._dynamo.reset()
+
+        def f(xx):
+            h = xx
+            for blk in mm:
+                if mode == "torch":
+                    h = torch.utils.checkpoint.checkpoint(blk, h, use_reentrant=False)
+                elif mode == "ours":
+                    h = scopedckpt.checkpoint(blk, h)
+                else:
+                    h = blk(h)
+            return h.square().mean()
+
+        cf = torch.compile(f)
+        torch.manual_seed(1)
+        with scopedckpt.checkpointing():
+            loss = cf(x)
+        loss.backward()
+        return (
+            [loss.detach()]
+            + [p.grad.clone() for p in mm.parameters()]
+            + [b.clone() for b in mm.buffers()]
+        )
+
+    def same(a, b):
+        diffs = [
+            (i, (u.double() - v.double()).abs().max().item())
+            for i, (u, v) in enumerate(zip(a, b))
+            if not torch.equal(u, v)
+        ]
+        return diffs[:4]
+
+    Block.forward_orig = Block.forward
+
+    def det_forward(self, x):  # no unscoped randomness: compare deterministic parts
+        return x + self.fc2(self.drop(F.gelu(self.bn(self.fc1(x)))))
+
+    Block.forward = det_forward
+    try:
+        for drop in (0.0, 0.1):
+            torchs, ours = run(False, "torch", drop), run(True, "ours", drop)
+            print(
+                "    reported: dropout",
+                drop,
+                "torch's checkpoint vs none:",
+                same(torchs, run(False, "none", drop)),
+            )
+            print(
+                "    reported: dropout",
+                drop,
+                "scopedckpt vs none:",
+                same(ours, run(True, "none", drop)),
+            )
+            if drop == 0.0:  # the same model and no randomness: the same graphs
+                assert not same(ours, torchs), same(ours, torchs)
+    finally:
+        Block.forward = Block.forward_orig
+
+
+def main() -> int:
+    print("torch", torch.__version__, "cuda", torch.cuda.is_available())
+    check("mask bits on cuda", mask_bits)
+    check("both formulations the same bits; float32/64 kept values equal torch's", kept_values_bitwise)
+    check("autograd worker thread", worker_thread_sees_no_forward_context)
+    for convert in (True, False):
+        for backward in ("backward", "retain_graph"):
+            check(f"exact on cuda, convert={convert}, {backward}", lambda c=convert, b=backward: exact(c, b))
+    check("compiled on cuda: scopedckpt lands where torch's checkpoint does", compiled)
+    print("failures", failures)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
