@@ -127,8 +127,8 @@ class Mask:
     def scale(self, dtype: torch.dtype) -> float:
         """What kept elements are multiplied by: ``1 / (1 - p)`` as ATen computes it in ``dtype``.
 
-        The exact value of the noise :meth:`_noise` makes, so that ``x * mask *
-        scale`` and ``x * noise`` are the same bits in every dtype.
+        The one value both formulations scale by (:meth:`_noise` and ``x * keep
+        * scale``), so that they are the same bits in every dtype.
         """
         key = (self.p, dtype)
         scale = _SCALES.get(key)
@@ -230,8 +230,7 @@ def masked_dropout(input: Tensor, mask: Mask, inplace: bool) -> Tensor:
     if not mask.save_mask or mask.alpha:
         return MaskedDropout.apply(input, mask, inplace)
     if mask.shape != tuple(input.shape):  # channel-wise: the noise broadcasts
-        noise = mask._noise(mask.keep().to(input.dtype))
-        return input.mul_(noise) if inplace else input * noise
+        return mask.apply(input, mask.unit(None, input.dtype), inplace)
     if input.numel() >= NATIVE_BELOW_ELEMENTS:
         return MaskedDropout.apply(input, mask, inplace)
     keep = mask.keep()
