@@ -27,6 +27,10 @@ and returns medians, so machine noise hits every variant alike.
 * :func:`dropout_formulations`: the scoped layer's two formulations (NOTE
   [ two formulations ] in ``scopedckpt/_mask.py``) against ``nn.Dropout`` by
   size: what ``NATIVE_BELOW_ELEMENTS`` was chosen from.
+* :func:`recompute_dropout`: the MLP (its dropout the last op of each region,
+  131,072 elements) as shipped, with recomputes taking the first forward's
+  formulation, and with masks drawn whole: step time against (b) and the peak
+  heap in use, each variant on one model.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from torch import nn
 
 import scopedckpt
 from scopedckpt import _guard, _mask
+from scopedckpt import functional as _functional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -247,7 +252,15 @@ def dropout_floor(rounds: int) -> dict[str, float]:
 
     def four_bytes() -> torch.Tensor:
         # One autograd node, as nn.Dropout: keeps the float noise, 4 bytes per element.
-        return x * mask.keep().to(x.dtype).div_(1 - p)
+        return x * mask.keep().to(x.dtype).mul_(scale)
+
+    generator = torch.Generator()
+
+    def bits() -> torch.Tensor:
+        # What Mask.keep() runs before its compare, at this size (NOTE [ mask bits ]).
+        generator.manual_seed(1)
+        words = torch.empty((x.numel() // 2,), dtype=torch.int64)
+        return words.random_(-(1 << 63), None, generator=generator)
 
     reference = nn.Dropout(p)
     layers = {
@@ -264,7 +277,7 @@ def dropout_floor(rounds: int) -> dict[str, float]:
     median = interleaved(variants, calls=500, rounds=rounds)
     kernels = interleaved(
         {
-            "reseed + the mask's bits": mask._bits,
+            "reseed + the mask's bits": bits,
             "reseed + the mask's bits + compare": mask.keep,
             "bernoulli_": lambda: torch.empty_like(x).bernoulli_(1 - p),
         },
@@ -308,6 +321,65 @@ def dropout_formulations(rounds: int) -> dict[str, dict[str, float]]:
     return result
 
 
+class _Variant:
+    """Recomputes in the first forward's formulation and/or masks drawn whole
+    (what this release changed; a measurement, the bits are the same)."""
+
+    def __init__(self, first_forwards: bool, whole: bool) -> None:
+        self.first_forwards, self.whole = first_forwards, whole
+
+    def __enter__(self) -> None:
+        self._saved = _functional.masked_dropout, _mask.PIECES_FROM_ELEMENTS
+        if self.first_forwards:
+            shipped = _mask.masked_dropout
+
+            def first_forwards(
+                input: torch.Tensor, mask: _mask.Mask, inplace: bool, recompute: bool = False
+            ) -> torch.Tensor:
+                return shipped(input, mask, inplace, recompute=False)
+
+            _functional.masked_dropout = first_forwards  # type: ignore[assignment]
+        if self.whole:
+            _mask.PIECES_FROM_ELEMENTS = 1 << 62
+
+    def __exit__(self, *exc: object) -> None:
+        _functional.masked_dropout, _mask.PIECES_FROM_ELEMENTS = self._saved
+
+
+def recompute_dropout(depth: int, rounds: int) -> dict[str, float]:
+    """The MLP's step time relative to (b), and its peak heap in use (MiB), by variant."""
+    import heap
+    import run
+
+    b = run.build("mlp", depth, "b")
+    c = run.build("mlp", depth, "c")
+    variants = {
+        "(c)": _Variant(first_forwards=False, whole=False),
+        "(c), recomputes in the first forward's formulation": _Variant(True, False),
+        "(c), masks drawn whole": _Variant(False, True),
+        "(c), both (the previous release)": _Variant(True, True),
+    }
+
+    def timed(variant: _Variant) -> Callable[[], None]:
+        def step() -> None:
+            with variant:
+                run.step(*c)
+
+        return step
+
+    median = interleaved(
+        {"(b)": lambda: run.step(*b), **{k: timed(v) for k, v in variants.items()}},
+        calls=1,
+        rounds=rounds,
+    )
+    result = {f"{k}/(b)": median[k] / median["(b)"] for k in variants}
+    result["(b) peak heap, MiB"] = heap.peak_in_use(lambda: run.step(*b)) / 2**20
+    for name, variant in variants.items():
+        with variant:
+            result[f"{name} peak heap, MiB"] = heap.peak_in_use(lambda: run.step(*c)) / 2**20
+    return result
+
+
 def main(rounds: int = 21) -> dict[str, Any]:
     results: dict[str, Any] = {
         "small_op_gap (small_mlp, 8 blocks)": small_op_gap(8, rounds * 2),
@@ -315,11 +387,12 @@ def main(rounds: int = 21) -> dict[str, Any]:
         "forward_hook_cost (small_mlp, 8 blocks)": forward_hook_cost(8, rounds * 3),
         "region_cost (us)": region_cost(rounds),
         "dropout_floor (64x64, relative to nn.Dropout)": dropout_floor(rounds),
+        "recompute_dropout (mlp, 8 blocks)": recompute_dropout(8, rounds * 2),
     }
     for section, values in results.items():
         print(f"\n{section}:")
         for name, value in values.items():
-            print(f"  {name:<44}{value:>10.3f}")
+            print(f"  {name:<56}{value:>10.3f}")
     formulations = dropout_formulations(rounds)
     print("\nscoped dropout's two formulations, relative to nn.Dropout:")
     for size, ratios in formulations.items():

@@ -36,8 +36,16 @@ _SCALES: dict[tuple[float, torch.dtype], float] = {}
 _THRESHOLDS: dict[float, int] = {}
 
 # Element-wise dropout below this many elements runs as plain ATen ops under
-# torch's own autograd; from it on, as MaskedDropout (NOTE [ two formulations ]).
+# torch's own autograd; from it on, as MaskedDropout, except in recomputes
+# (NOTE [ two formulations ]).
 NATIVE_BELOW_ELEMENTS = 1 << 15
+
+# Masks from this many elements on draw their bits in two pieces (NOTE [ mask
+# bits ]). Below it the draw holds 1 byte per element more than torch's noise,
+# at most 64 KiB, and the second piece would cost more: 14 % of the draw at
+# 32,768 elements.
+PIECES_FROM_ELEMENTS = 1 << 16
+
 
 
 def _mask_generator(device: torch.device) -> torch.Generator:
@@ -53,6 +61,11 @@ def _mask_generator(device: torch.device) -> torch.Generator:
     if generator is None:
         generator = cache[device] = torch.Generator(device=device)
     return generator
+
+
+def _random_words(words: Tensor, generator: torch.Generator) -> Tensor:
+    """Fill ``int64`` words with all 64 random bits each (without a range, 63)."""
+    return words.random_(-(1 << 63), None, generator=generator)
 
 
 def _threshold(p: float) -> int:
@@ -73,6 +86,20 @@ def _threshold(p: float) -> int:
     314 us for ``bernoulli_``. Which elements are kept is not what
     ``nn.Dropout`` would draw (it never was: the mask has its own generator);
     the kept values are torch's bit for bit.
+
+    From ``PIECES_FROM_ELEMENTS`` on, the words are drawn in two pieces
+    through one scratch buffer of half of them, each piece compared into its
+    part of the mask: the draw then holds 3 bytes per element (the mask's 1,
+    half the words' 4) where one draw held 5, less than the 4-byte noise
+    ``nn.Dropout`` allocates. This matters in a recompute that early stop ends
+    at the dropout (NOTE [ two formulations ]): there the draw is all the
+    dropout allocates. On CPU the second piece continues the first one's
+    sequential stream, so the bits are those of one draw (tested); on CUDA
+    each ``random_`` starts at a new Philox offset, so the bits depend on the
+    split, which depends on the shape alone. The second piece costs a
+    ``random_`` and a compare more: measured on CPU, one thread, 10 us for
+    65,536 elements (158 against 148) and 12 us for 131,072 (297 against
+    285).
     """
     threshold = _THRESHOLDS.get(p)
     if threshold is None:
@@ -92,25 +119,34 @@ class Mask:
     alpha: bool
     save_mask: bool
 
-    def _bits(self) -> Tensor:
-        """32 random bits per element, as ``int32`` of the mask's shape (NOTE [ mask bits ])."""
-        generator = _mask_generator(self.device)
-        generator.manual_seed(self.seed)
-        numel = math.prod(self.shape)
-        with scoped_draws():
-            words = torch.empty(((numel + 1) // 2,), dtype=torch.int64, device=self.device)
-            words.random_(-(1 << 63), None, generator=generator)  # all 64 bits
-        bits = words.view(torch.int32)
-        return (bits if bits.numel() == numel else bits[:numel]).view(self.shape)
-
     def keep(self) -> Tensor:
         """The keep-mask as 0/1 bytes (``uint8``): one definition for every
         formulation (NOTE [ two formulations ]).
 
         The compare's ``bool`` viewed as ``uint8`` (free): converting ``uint8``
-        to float took 5 us for 32k elements on CPU, ``bool`` 21 us.
+        to float took 5 us for 32k elements on CPU, ``bool`` 21 us. Large masks
+        draw their bits in pieces (NOTE [ mask bits ]).
         """
-        return self._bits().lt(_threshold(self.p)).view(torch.uint8)
+        generator = _mask_generator(self.device)
+        generator.manual_seed(self.seed)
+        numel = math.prod(self.shape)
+        threshold = _threshold(self.p)
+        words = (numel + 1) // 2
+        half = words if numel < PIECES_FROM_ELEMENTS else (words + 1) // 2
+        with scoped_draws():
+            scratch = torch.empty((half,), dtype=torch.int64, device=self.device)
+            _random_words(scratch, generator)
+            bits = scratch.view(torch.int32)
+            if half == words:
+                keep = (bits if bits.numel() == numel else bits[:numel]).lt(threshold)
+            else:  # two pieces through one scratch buffer
+                keep = torch.empty((numel,), dtype=torch.bool, device=self.device)
+                torch.lt(bits, threshold, out=keep[: 2 * half])
+                rest = numel - 2 * half
+                tail = scratch[: (rest + 1) // 2]
+                _random_words(tail, generator)
+                torch.lt(tail.view(torch.int32)[:rest], threshold, out=keep[2 * half :])
+        return keep.view(torch.uint8).view(self.shape)
 
     def draw(self, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
         """The keep-mask as 0/1 in ``dtype``, and as bytes to keep for backward
@@ -200,14 +236,13 @@ class MaskedDropout(torch.autograd.Function):
         return mask.grad(grad, kept), None, None
 
 
-def masked_dropout(input: Tensor, mask: Mask, inplace: bool) -> Tensor:
+def masked_dropout(input: Tensor, mask: Mask, inplace: bool, recompute: bool = False) -> Tensor:
     """``input`` times ``mask``'s noise, keeping what ``mask.save_mask`` says for backward.
 
     NOTE [ two formulations ]
     =========================
-    The same bits come out of two formulations; which one runs depends only on
-    the call, never on the phase, so a recompute takes the branch its forward
-    took.
+    The same bits come out of two formulations, and both keep the same tensor
+    for backward, so a recompute may take the other one.
 
     * Plain ATen ops under torch's autograd, when the mask is kept: channel-wise
       ``x * noise`` (autograd keeps the float noise, one value per channel), or
@@ -216,9 +251,21 @@ def masked_dropout(input: Tensor, mask: Mask, inplace: bool) -> Tensor:
       its apply and its Python backward cost ~30 us a call, more than the
       kernels of a 64 x 64 dropout.
     * :class:`MaskedDropout` otherwise: alpha dropout, ``save_mask=False``
-      (nothing kept, redrawn in backward) and element-wise masks over
-      ``NATIVE_BELOW_ELEMENTS``, where the in-place float ops beat the
-      mixed-dtype ``x * keep`` (at 1024 x 1024 on CPU: 145 us against 60).
+      (nothing kept, redrawn in backward) and element-wise masks from
+      ``NATIVE_BELOW_ELEMENTS`` on, where its backward's in-place float ops
+      beat autograd's two out-of-place multiplies (forward + backward at
+      256 x 512 on CPU: 626 us against 766).
+    * A recompute takes the ATen ops at every size when the mask is kept
+      element-wise. Its graph is never differentiated (torch's checkpoint only
+      takes the tensors it saves), so the Function's faster backward buys
+      nothing there, and its forward is the slower one (477 us against 424 at
+      256 x 512). Both keep one tensor, the ``uint8`` ``keep`` of the mask's
+      shape, at the same point of the region's sequence of saved tensors,
+      which is how torch's checkpoint matches recomputed tensors to the first
+      forward's (and what its determinism check compares). And ``mul`` keeps
+      ``keep`` before it allocates its output: when the dropout is the last
+      op of the region that saves a tensor, early stop ends the recompute
+      there, with no output allocated, as it does for ``nn.Dropout``'s noise.
 
     ``x * keep * scale`` equals ``x * noise`` bit for bit: ``x * 1`` is ``x``,
     ``x * 0`` is the same signed zero (or NaN) as ``x * 0.0``, and ``scale`` is
@@ -231,7 +278,7 @@ def masked_dropout(input: Tensor, mask: Mask, inplace: bool) -> Tensor:
         return MaskedDropout.apply(input, mask, inplace)
     if mask.shape != tuple(input.shape):  # channel-wise: the noise broadcasts
         return mask.apply(input, mask.unit(None, input.dtype), inplace)
-    if input.numel() >= NATIVE_BELOW_ELEMENTS:
+    if input.numel() >= NATIVE_BELOW_ELEMENTS and not recompute:
         return MaskedDropout.apply(input, mask, inplace)
     keep = mask.keep()
     out = input.mul_(keep) if inplace else input * keep

@@ -166,7 +166,7 @@ def _seeded_dropout(
         return input.mul_(zero) if inplace else input * zero
     shape = tuple(input.shape[:2]) + (1,) * (input.dim() - 2) if feature else tuple(input.shape)
     mask = Mask(seed, p, shape, input.device, alpha, save_mask)
-    return masked_dropout(input, mask, inplace)
+    return masked_dropout(input, mask, inplace, recompute=phase is Phase.RECOMPUTE)
 
 
 # It reads the region's tape: compiled code calls it behind a graph break.

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import scopedckpt
-from scopedckpt import _mask
+from scopedckpt import _mask, _torch_private
 from scopedckpt import functional as SF
 
 DROPOUTS = [
@@ -447,6 +447,37 @@ def test_masks_depend_on_the_seed_alone(shape: tuple[int, ...]) -> None:
 
 
 
+@pytest.mark.parametrize(
+    "numel",
+    [
+        _mask.PIECES_FROM_ELEMENTS,
+        _mask.PIECES_FROM_ELEMENTS + 1,  # the second piece one element short
+        _mask.PIECES_FROM_ELEMENTS + 3,
+        4 * _mask.PIECES_FROM_ELEMENTS + 2,
+    ],
+)
+def test_large_masks_draw_their_bits_in_two_pieces(
+    numel: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Half the words at once (NOTE [ mask bits ]); on CPU the second piece continues
+    the first one's sequential stream, so the bits are those of one draw."""
+    words: list[int] = []
+
+    class Allocations(_torch_private.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.int64:
+                words.append(out.numel())
+            return out
+
+    mask = _mask.Mask(5, 0.3, (numel,), torch.device("cpu"), False, True)
+    with Allocations():
+        pieces = mask.keep()
+    assert words and max(words) <= (numel + 3) // 4
+    monkeypatch.setattr(_mask, "PIECES_FROM_ELEMENTS", 1 << 62)
+    assert torch.equal(pieces, mask.keep())
+
+
 def test_the_scale_is_computed_on_the_cpu_whatever_the_default_device() -> None:
     """CUDA divides by a scalar as a multiply by its reciprocal (an ulp off for some p)."""
     expected = float(torch.ones((), device="cpu").div_(1 - 0.021))
@@ -600,13 +631,56 @@ def test_native_and_function_dropout_are_the_same_bits(
 
 
 def test_large_element_wise_masks_take_the_function() -> None:
-    """The formulation depends on the call only, never on the phase."""
+    """Outside a recompute the formulation depends on the call only."""
     small = torch.randn(_mask.NATIVE_BELOW_ELEMENTS - 1, requires_grad=True)
     large = torch.randn(_mask.NATIVE_BELOW_ELEMENTS, requires_grad=True)
     layer = scopedckpt.Dropout(0.3)
     assert "MaskedDropout" not in type(layer(small).grad_fn).__name__
     assert "MaskedDropout" in type(layer(large).grad_fn).__name__
     assert "MaskedDropout" in type(scopedckpt.Dropout(0.3, save_mask=False)(small).grad_fn).__name__
+
+
+@pytest.mark.parametrize("save", [None, "matmuls"])
+@pytest.mark.parametrize("early_stop", [True, False])
+@pytest.mark.parametrize("last", [True, False])
+def test_recomputes_take_the_aten_formulation(last: bool, early_stop: bool, save: str | None) -> None:
+    """A recompute keeps the same byte as the first forward's MaskedDropout, from the
+    ATen formulation, whose mul keeps it before allocating the output: early stop ends a
+    recompute whose last saved tensor it is before that output exists. Exact either way."""
+    torch.manual_seed(0)
+    width = 512
+    layers: list[nn.Module] = [nn.Linear(width, width), scopedckpt.Dropout(0.3)]
+    block = nn.Sequential(*layers, *([] if last else [nn.Linear(width, width)]))
+    # Over both limits: MaskedDropout in the first forward, the mask in pieces.
+    x = torch.randn(max(_mask.NATIVE_BELOW_ELEMENTS, _mask.PIECES_FROM_ELEMENTS) // width, width)
+    recomputed: list[str] = []
+
+    class Recompute(_torch_private.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if scopedckpt.phase() is scopedckpt.Phase.RECOMPUTE:
+                recomputed.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def step(checkpointed: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        torch.manual_seed(1)
+        policy = scopedckpt.policies.save_matmuls if save else None
+        with scopedckpt.checkpointing(enabled=checkpointed):
+            y = scopedckpt.checkpoint(block, x, early_stop=early_stop, save=policy)
+        if checkpointed and last:
+            assert "MaskedDropout" in type(y.grad_fn).__name__  # the first forward's
+        with Recompute():
+            y.square().sum().backward()
+        grads = [p.grad for p in block.parameters()]
+        block.zero_grad(set_to_none=True)
+        return y.detach(), grads
+
+    y_plain, grads_plain = step(False)
+    y_ckpt, grads_ckpt = step(True)
+    assert torch.equal(y_plain, y_ckpt)
+    assert all(torch.equal(a, b) for a, b in zip(grads_plain, grads_ckpt))
+    assert any(op.startswith("aten.lt.") for op in recomputed)  # the mask, drawn again
+    assert "aten._to_copy.default" not in recomputed  # not the Function's conversion
+    assert ("aten.mul.Tensor" in recomputed) == (not last or not early_stop)
 
 
 @pytest.mark.parametrize("numel", [2048, 1 << 16])

@@ -123,6 +123,27 @@ def exact(convert, backward):
     assert_checkpoint_equivalent(m, x, steps=3, backward=backward)
 
 
+def large_dropout_regions():
+    # Masks in pieces, the first forward's MaskedDropout against the recompute's
+    # ATen ops (NOTE [ two formulations ]), with the dropout last in its region
+    # and not, early stop on and off.
+    for last in (True, False):
+        for early_stop in (True, False):
+            torch.manual_seed(0)
+            layers = [nn.Linear(512, 512), scopedckpt.Dropout(0.3)]
+            block = nn.Sequential(*layers, *([] if last else [nn.Linear(512, 512)])).to(dev)
+            x = torch.randn(1024, 512, device=dev)  # 2**19 elements: two pieces
+            results = []
+            for regions in (False, True):
+                torch.manual_seed(1)
+                with scopedckpt.checkpointing(enabled=regions):
+                    y = scopedckpt.checkpoint(block, x, early_stop=early_stop)
+                y.square().sum().backward()
+                results.append([y.detach()] + [p.grad.clone() for p in block.parameters()])
+                block.zero_grad(set_to_none=True)
+            assert all(torch.equal(a, b) for a, b in zip(*results)), (last, early_stop)
+
+
 def backward_thread():
     # The CUDA backward runs in an autograd device thread, which does not see the
     # forward's context variables: the exactness checks below run in that setting.
@@ -206,6 +227,7 @@ def main() -> int:
         "both formulations the same bits; float32/64 kept values equal torch's", kept_values_bitwise
     )
     check("the CUDA backward runs in another thread", backward_thread)
+    check("large dropouts in regions exact on cuda (pieces, two formulations)", large_dropout_regions)
     for convert in (True, False):
         for backward in ("backward", "retain_graph"):
             check(

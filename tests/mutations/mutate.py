@@ -339,8 +339,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "mask_bits_lose_the_sign_bit",
         "scopedckpt/_mask.py",
-        "words.random_(-(1 << 63), None, generator=generator)",
-        "words.random_(generator=generator)",
+        "return words.random_(-(1 << 63), None, generator=generator)",
+        "return words.random_(generator=generator)",
         ("tests/test_layers.py",),
         "int64 random_ without a range draws 63 bits: odd elements (the high halves) are kept "
         "more often than 1 - p",
@@ -352,6 +352,32 @@ MUTANTS: tuple[Mutant, ...] = (
         "keep = min(round((1.0 - p) * 2.0**31), (1 << 32) - 1)",
         ("tests/test_layers.py",),
         "the threshold is computed on the wrong scale: keep rates are not 1 - p",
+    ),
+    Mutant(
+        "mask_drawn_in_one_piece",
+        "scopedckpt/_mask.py",
+        "half = words if numel < PIECES_FROM_ELEMENTS else",
+        "half = words if True else",
+        ("tests/test_layers.py",),
+        "large masks draw all their words at once: 5 bytes per element held by the draw, "
+        "above the 4 of torch's noise",
+    ),
+    Mutant(
+        "mask_second_piece_reseeded",
+        "scopedckpt/_mask.py",
+        "                _random_words(tail, generator)\n",
+        "                generator.manual_seed(self.seed)\n                _random_words(tail, generator)\n",
+        ("tests/test_layers.py",),
+        "the second piece starts the stream again: its bits repeat the first piece's",
+    ),
+    Mutant(
+        "recompute_takes_the_function",
+        "scopedckpt/_mask.py",
+        "if input.numel() >= NATIVE_BELOW_ELEMENTS and not recompute:",
+        "if input.numel() >= NATIVE_BELOW_ELEMENTS:",
+        ("tests/test_layers.py",),
+        "recomputes run MaskedDropout, which allocates its output before the mask is saved: "
+        "early stop no longer ends a recompute before a last dropout's output",
     ),
     # Selective saving.
     Mutant(
