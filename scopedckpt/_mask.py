@@ -47,7 +47,6 @@ NATIVE_BELOW_ELEMENTS = 1 << 15
 PIECES_FROM_ELEMENTS = 1 << 16
 
 
-
 def _mask_generator(device: torch.device) -> torch.Generator:
     """This thread's reusable generator for ``device``; callers reseed it.
 

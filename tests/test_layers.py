@@ -640,16 +640,19 @@ def test_large_element_wise_masks_take_the_function() -> None:
     assert "MaskedDropout" in type(scopedckpt.Dropout(0.3, save_mask=False)(small).grad_fn).__name__
 
 
+@pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("save", [None, "matmuls"])
 @pytest.mark.parametrize("early_stop", [True, False])
 @pytest.mark.parametrize("last", [True, False])
-def test_recomputes_take_the_aten_formulation(last: bool, early_stop: bool, save: str | None) -> None:
+def test_recomputes_take_the_aten_formulation(
+    last: bool, early_stop: bool, save: str | None, inplace: bool
+) -> None:
     """A recompute keeps the same byte as the first forward's MaskedDropout, from the
     ATen formulation, whose mul keeps it before allocating the output: early stop ends a
     recompute whose last saved tensor it is before that output exists. Exact either way."""
     torch.manual_seed(0)
     width = 512
-    layers: list[nn.Module] = [nn.Linear(width, width), scopedckpt.Dropout(0.3)]
+    layers: list[nn.Module] = [nn.Linear(width, width), scopedckpt.Dropout(0.3, inplace=inplace)]
     block = nn.Sequential(*layers, *([] if last else [nn.Linear(width, width)]))
     # Over both limits: MaskedDropout in the first forward, the mask in pieces.
     x = torch.randn(max(_mask.NATIVE_BELOW_ELEMENTS, _mask.PIECES_FROM_ELEMENTS) // width, width)
@@ -680,7 +683,8 @@ def test_recomputes_take_the_aten_formulation(last: bool, early_stop: bool, save
     assert all(torch.equal(a, b) for a, b in zip(grads_plain, grads_ckpt))
     assert any(op.startswith("aten.lt.") for op in recomputed)  # the mask, drawn again
     assert "aten._to_copy.default" not in recomputed  # not the Function's conversion
-    assert ("aten.mul.Tensor" in recomputed) == (not last or not early_stop)
+    output = "aten.mul_.Tensor" if inplace else "aten.mul.Tensor"  # input times the mask
+    assert (output in recomputed) == (not last or not early_stop)
 
 
 @pytest.mark.parametrize("numel", [2048, 1 << 16])
