@@ -260,7 +260,7 @@ def dropout_floor(rounds: int) -> dict[str, float]:
         # What Mask.keep() runs before its compare, at this size (NOTE [ mask bits ]).
         generator.manual_seed(1)
         words = torch.empty((x.numel() // 2,), dtype=torch.int64)
-        return words.random_(-(1 << 63), None, generator=generator)
+        return _mask._random_words(words, generator)
 
     reference = nn.Dropout(p)
     layers = {

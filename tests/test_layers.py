@@ -395,7 +395,6 @@ def test_alpha_dropout_values_equal_torchs_bitwise(p: float, dtype: torch.dtype)
     assert torch.equal(ours[ours <= 0].unique(), theirs[theirs <= 0].unique())
 
 
-
 # --- The mask's bits (NOTE [ mask bits ] in _mask.py) ---
 
 
@@ -444,7 +443,6 @@ def test_masks_depend_on_the_seed_alone(shape: tuple[int, ...]) -> None:
     assert torch.equal(one.reshape(-1), longer[: one.numel()])
     if one.numel() > 64:
         assert not torch.equal(keep(12), one)
-
 
 
 @pytest.mark.parametrize(
