@@ -5,7 +5,8 @@ Run by ``python benchmarks/run.py`` (its "breakdown" section), or alone::
     python benchmarks/breakdown.py
 
 Each function times its variants interleaved, in rotating order, in one process
-and returns medians, so machine noise hits every variant alike.
+and returns medians or paired ratios (:func:`paired`), so machine noise hits every
+variant alike.
 
 * :func:`small_op_gap`: the small-op MLP step of torch's checkpoint (b) against
   scopedckpt (c), (c) with the buffer guard's global module hooks switched off by
@@ -20,6 +21,8 @@ and returns medians, so machine noise hits every variant alike.
 * :func:`forward_hook_cost`: the first forward alone (no backward) of the converted
   small-op MLP with and without the guard's global hook, and of the same model
   without regions with and without an empty global hook.
+* ``machinery.machinery`` (benchmarks/machinery.py): scopedckpt's per-region Python
+  on the small-op MLP, timed inside real steps and in a tight loop.
 * :func:`region_cost`: the fixed cost of one region around a tiny block, in us.
 * :func:`dropout_floor`: a 64 x 64 dropout's forward + backward against
   ``nn.Dropout``: the scoped layer, the plain ATen formulations it is built from
@@ -35,6 +38,7 @@ and returns medians, so machine noise hits every variant alike.
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -53,10 +57,10 @@ from scopedckpt import functional as _functional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def interleaved(
+def interleaved_rounds(
     variants: dict[str, Callable[[], object]], calls: int, rounds: int
-) -> dict[str, float]:
-    """Median seconds per call of each variant, after a warm-up, timed in rotating order.
+) -> dict[str, list[float]]:
+    """Seconds per call of each variant in every round, after a warm-up, timed in rotating order.
 
     Rotating, so that no variant always follows the same one (a step after a big
     one meets a different allocator and cache state).
@@ -73,7 +77,39 @@ def interleaved(
             for _ in range(calls):
                 variants[name]()
             times[name].append((time.perf_counter() - start) / calls)
+    return times
+
+
+def interleaved(
+    variants: dict[str, Callable[[], object]], calls: int, rounds: int
+) -> dict[str, float]:
+    """Median seconds per call of each variant (:func:`interleaved_rounds`)."""
+    times = interleaved_rounds(variants, calls, rounds)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def paired(
+    times: dict[str, list[float]], numerator: str, denominator: str
+) -> tuple[float, float, float]:
+    """The median over rounds of ``numerator / denominator`` within each round, and its
+    95 % confidence interval.
+
+    Paired, because the machine's speed drifts from round to round by more than the
+    few percent between configurations, and both of a round's times see the same
+    drift. The interval is distribution-free: order statistics of the sorted ratios
+    whose ranks a Binomial(n, 1/2) puts at most 2.5 % below and above the median
+    (for 15 rounds the 4th and 12th of 15, for 120 the 49th and 72nd).
+    """
+    ratios = sorted(a / b for a, b in zip(times[numerator], times[denominator]))
+    n = len(ratios)
+    # The lower end is the (k+1)-th ratio for the largest k with P(X <= k) <= 2.5 %.
+    below, cumulative = 0, 0.0
+    for k in range(n):
+        cumulative += math.comb(n, k) / 2**n
+        if cumulative > 0.025:
+            below = max(k - 1, 0)
+            break
+    return statistics.median(ratios), ratios[below], ratios[n - 1 - below]
 
 
 class _GlobalHooksOff:
@@ -117,19 +153,28 @@ def small_op_gap(depth: int, rounds: int) -> dict[str, float]:
     }
     variants["c, global hooks off"] = without_hooks
     variants["c's model, torch's checkpoint"] = under_torchs_checkpoint
-    median = interleaved(variants, calls=1, rounds=rounds)
-    per_region = {k: v / depth * 1e6 for k, v in median.items()}
+    times = interleaved_rounds(variants, calls=1, rounds=rounds)
+    b_us = statistics.median(times["b"]) / depth * 1e6  # per region
+
+    def ratio(numerator: str, denominator: str = "b") -> float:
+        return paired(times, numerator, denominator)[0]
+
+    def per_region(numerator: str, denominator: str) -> float:
+        """us per region, from the paired ratio of each to (b) and (b)'s median."""
+        return (ratio(numerator) - ratio(denominator)) * b_us
+
+    off, torchs = "c, global hooks off", "c's model, torch's checkpoint"
     return {
-        "(c)/(b)": median["c"] / median["b"],
-        "(c, global hooks off)/(b)": median["c, global hooks off"] / median["b"],
-        "(e)/(b)": median["e"] / median["b"],
-        "(b) ms": median["b"] * 1e3,
-        "(c) - (b) per region, us": per_region["c"] - per_region["b"],
-        "global hooks per region, us": per_region["c"] - per_region["c, global hooks off"],
-        "region machinery per region, us": per_region["c"]
-        - per_region["c's model, torch's checkpoint"],
-        "scoped layers - torch's per region, us": per_region["c's model, torch's checkpoint"]
-        - per_region["b"],
+        "(c)/(b)": ratio("c"),
+        "(c)/(b) 95% interval low": paired(times, "c", "b")[1],
+        "(c)/(b) 95% interval high": paired(times, "c", "b")[2],
+        "(c, global hooks off)/(b)": ratio(off),
+        "(e)/(b)": ratio("e"),
+        "(b) ms": b_us * depth / 1e3,
+        "(c) - (b) per region, us": (ratio("c") - 1) * b_us,
+        "global hooks per region, us": per_region("c", off),
+        "region machinery per region, us": per_region("c", torchs),
+        "scoped layers - torch's per region, us": (ratio(torchs) - 1) * b_us,
     }
 
 
@@ -381,8 +426,11 @@ def recompute_dropout(depth: int, rounds: int) -> dict[str, float]:
 
 
 def main(rounds: int = 21) -> dict[str, Any]:
+    import machinery  # benchmarks/machinery.py
+
     results: dict[str, Any] = {
-        "small_op_gap (small_mlp, 8 blocks)": small_op_gap(8, rounds * 2),
+        "small_op_gap (small_mlp, 8 blocks)": small_op_gap(8, rounds * 4),
+        "machinery (small_mlp, 8 blocks)": machinery.machinery(8, rounds * 5),
         "checkpoint_cost (small_mlp, 8 blocks)": checkpoint_cost(8, rounds * 4),
         "forward_hook_cost (small_mlp, 8 blocks)": forward_hook_cost(8, rounds * 3),
         "region_cost (us)": region_cost(rounds),

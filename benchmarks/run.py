@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -173,28 +174,35 @@ def saved_bytes(model: Blocks, x: torch.Tensor) -> int:
 
 # More rounds where steps are cheap and a few percent is the question: the
 # small-op MLP's cells moved by up to 0.25 between runs at 15 rounds.
-ROUNDS_FACTOR = {"small_mlp": 4}
+ROUNDS_FACTOR = {"small_mlp": 8}  # 168 rounds
+RATIOS = (("c", "b"), ("c", "a"), ("d", "a"), ("c", "e"))
 
 
 def measure(kind: str, depth: int, repeats: int) -> dict[str, object]:
+    """Step times of every configuration; ratios are paired (breakdown.paired): the
+    median over rounds of the two configurations' times in the same round."""
     models = {c: build(kind, depth, c) for c in CONFIGS}
-    median = breakdown.interleaved(
+    times = breakdown.interleaved_rounds(
         {c: (lambda m=models[c]: step(*m)) for c in CONFIGS},
         calls=1,
         rounds=repeats * ROUNDS_FACTOR.get(kind, 1),
     )
     saved = {c: saved_bytes(*models[c]) for c in CONFIGS}
-    return {
+    row: dict[str, object] = {
         "model": kind,
         "depth": depth,
-        "median_s": median,
+        "rounds": len(times["a"]),
+        "median_s": {c: statistics.median(t) for c, t in times.items()},
         "saved_bytes": saved,
-        "c/b": median["c"] / median["b"],
-        "c/a": median["c"] / median["a"],
-        "d/a": median["d"] / median["a"],
-        "c/e": median["c"] / median["e"],
-        "saved c-b per dropout call": (saved["c"] - saved["b"]) / max(1, _dropouts(models["c"][0])),
     }
+    for numerator, denominator in RATIOS:
+        median, low, high = breakdown.paired(times, numerator, denominator)
+        row[f"{numerator}/{denominator}"] = median
+        row[f"{numerator}/{denominator} 95% interval"] = [low, high]
+    row["saved c-b per dropout call"] = (saved["c"] - saved["b"]) / max(
+        1, _dropouts(models["c"][0])
+    )
+    return row
 
 
 def _dropouts(model: nn.Module) -> int:
@@ -246,13 +254,16 @@ def measurement_overheads(kind: str, depth: int, repeats: int) -> dict[str, floa
             step(model, x)
 
     # A few percent, measured: interleaved rounds on the same model (two models
-    # differ by as much here), four times as many as the step-time table's.
-    median = breakdown.interleaved(
+    # differ by as much here), four times as many as the step-time table's, paired.
+    times = breakdown.interleaved_rounds(
         {"plain": lambda: step(model, x), "reported": reported}, calls=1, rounds=4 * repeats
     )
+    median, low, high = breakdown.paired(times, "reported", "plain")
     return {
         "heap sampler": heap.sampling_overhead(lambda: step(model, x), repeats),
-        "memory_report": median["reported"] / median["plain"],
+        "memory_report": median,
+        "memory_report 95% interval low": low,
+        "memory_report 95% interval high": high,
     }
 
 
@@ -314,7 +325,7 @@ def main() -> None:
     if args.selective:
         run_selective(args.quick)
         return
-    repeats = 5 if args.quick else 15
+    repeats = 5 if args.quick else 21
     depths = (4, 8) if args.quick else (4, 8, 16, 32)
     RESULTS.mkdir(exist_ok=True)
     rows = []
@@ -335,15 +346,18 @@ def main() -> None:
     remaining = breakdown.main(rounds=5 if args.quick else 21)
 
     print(
-        f"\n{'model':<12}{'depth':>6}{'(c)/(b) time':>14}{'(c)/(a) time':>14}{'(d)/(a) time':>14}"
-        f"{'(c)/(e) time':>14}"
+        "\nstep time ratios: paired medians over rounds, (c)/(b) with its 95 % interval"
+        f"\n{'model':<12}{'depth':>6}{'rounds':>7}{'(c)/(b) time':>14}{'interval':>15}"
+        f"{'(c)/(a)':>9}{'(d)/(a)':>9}{'(c)/(e)':>9}"
         f"{'saved MiB a':>13}{'b':>8}{'c':>8}{'d':>8}"
     )
     for r in rows:
         s = r["saved_bytes"]
+        low, high = r["c/b 95% interval"]
         print(
-            f"{r['model']:<12}{r['depth']:>6}{r['c/b']:>14.3f}{r['c/a']:>14.3f}{r['d/a']:>14.3f}"
-            f"{r['c/e']:>14.3f}"
+            f"{r['model']:<12}{r['depth']:>6}{r['rounds']:>7}{r['c/b']:>14.3f}"
+            f"{f'{low:.3f}-{high:.3f}':>15}"
+            f"{r['c/a']:>9.3f}{r['d/a']:>9.3f}{r['c/e']:>9.3f}"
             f"{s['a'] / 2**20:>13.2f}{s['b'] / 2**20:>8.2f}{s['c'] / 2**20:>8.2f}{s['d'] / 2**20:>8.2f}"
         )
     print(

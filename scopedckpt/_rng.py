@@ -53,20 +53,34 @@ def _accelerator_generators() -> list[Access]:
     Only initialised devices: a region must not initialise CUDA by asking. Tests
     replace this function to check the device path without a device.
     """
-    api = getattr(torch, "accelerator", None)  # torch >= 2.6; CUDA alone before
-    if api is not None:
-        accelerator = api.current_accelerator(check_available=True)
-        if accelerator is None:
-            return []
-        module = torch.get_device_module(accelerator.type)
-    elif torch.cuda.is_available():
-        module = torch.cuda
-    else:
+    # Asked at every region: which accelerator the build has is asked once (it
+    # does not change in a process; torch.accelerator's query costs more than a
+    # whole CPU stash), whether it is initialised every time (a forked child
+    # of an initialised parent is not).
+    if not _ACCESS:
+        _ACCESS.append(_accelerator_module())
+    module = _ACCESS[0]
+    if module is None:
         return []
     is_initialized = getattr(module, "is_initialized", None)
     if is_initialized is None or not is_initialized():
         return []
-    return [_device_access(module, index) for index in range(module.device_count())]
+    if len(_ACCESS) == 1:
+        _ACCESS.append([_device_access(module, i) for i in range(module.device_count())])
+    return _ACCESS[1]
+
+
+# [the accelerator's device module or None, then, once it was initialised, its accesses]
+_ACCESS: list[Any] = []
+
+
+def _accelerator_module() -> Any:
+    """The device module of the build's accelerator (``torch.cuda``, ...), or None."""
+    api = getattr(torch, "accelerator", None)  # torch >= 2.6; CUDA alone before
+    if api is not None:
+        accelerator = api.current_accelerator(check_available=True)
+        return None if accelerator is None else torch.get_device_module(accelerator.type)
+    return torch.cuda if torch.cuda.is_available() else None
 
 
 def _device_access(module: Any, index: int) -> Access:
@@ -82,7 +96,7 @@ def _device_access(module: Any, index: int) -> Access:
 DEVICE_GENERATORS: Callable[[], list[Access]] = _accelerator_generators
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs twice as much
 class RngStash:
     """The default generators' states when a region's first forward started."""
 

@@ -135,6 +135,36 @@ def test_hooks_are_installed_only_while_a_region_runs(
     assert seen == expected and not _guard._HANDLES
 
 
+class LateCounter(nn.Module):
+    """A step counter registered after construction (``count()``), not in ``__init__``."""
+
+    def count(self) -> LateCounter:
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "steps" not in self._buffers:
+            return x
+        self.steps += 1
+        return x * self.steps.clone()
+
+
+def test_the_guard_asks_each_instance_for_its_buffers() -> None:
+    """The guard caches what a class says (self-guarded, Stateful), never whether an
+    instance has buffers."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 6)
+    plain = nn.Sequential(nn.Linear(6, 6), LateCounter())
+    with scopedckpt.checkpointing():  # the class is seen in a region, with no buffers
+        scopedckpt.checkpoint(plain, x.requires_grad_())
+    assert not _guard._guarded(plain[1])
+    counting = nn.Sequential(nn.Linear(6, 6), LateCounter().count(), LateCounter())
+    assert _guard._guarded(counting[1]) and not _guard._guarded(counting[2])
+    assert_checkpoint_equivalent(counting, x, targets=[counting], steps=3)
+    counting[2].count()  # between steps
+    assert_checkpoint_equivalent(counting, x, targets=[counting], steps=3)
+
+
 def test_scoped_batch_norm_skips_the_guard() -> None:
     bn = scopedckpt.BatchNorm1d(6)
     assert not _guard._guarded(bn)
@@ -245,3 +275,53 @@ def test_a_recompute_hooks_only_the_modules_with_state() -> None:
     assert seen == [(1, 0, 0), (0, 1, 0)]
     assert not bn._forward_pre_hooks and not bn._forward_hooks
     assert int(bn.num_batches_tracked) == 1
+
+
+def test_lazy_modules_first_called_inside_a_region_are_exact() -> None:
+    """Their buffers are placeholders until their first call: the guard initializes
+    them first, as their own hook would, then copies them."""
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 6), nn.LazyBatchNorm1d(), nn.LazyLinear(3))
+
+    plain, checkpointed = build(), build()
+    for step in range(3):
+        x = torch.randn(4, 6)
+        torch.manual_seed(step)  # the lazy Linear draws its weights in the first step
+        plain(x).square().sum().backward()
+        torch.manual_seed(step)
+        with scopedckpt.checkpointing(checkpointed):
+            out = checkpointed(x)
+        out.square().sum().backward()
+    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters()):
+        assert torch.equal(a, b) and torch.equal(a.grad, b.grad), name  # type: ignore[arg-type]
+    for (name, a), b in zip(plain.named_buffers(), checkpointed.buffers()):
+        assert torch.equal(a, b), name
+    assert type(checkpointed[1]) is nn.BatchNorm1d
+    assert int(checkpointed[1].num_batches_tracked) == 3
+
+
+class Placeholder(nn.Module):
+    """An UninitializedBuffer with no initialize_parameters to fill it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("stats", nn.parameter.UninitializedBuffer())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sin()
+
+
+def test_a_lazy_buffer_the_guard_cannot_initialize_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(6, 6), Placeholder())
+    x = torch.randn(4, 6, requires_grad=True)
+    with pytest.raises(
+        scopedckpt.ScopedCkptError,
+        match=re.escape(
+            "scopedckpt: 'Sequential.1' (Placeholder) has uninitialized (lazy) buffers at its first call"
+        ),
+    ):
+        with scopedckpt.checkpointing(model):
+            model(x)
+    assert not _guard._HANDLES

@@ -161,6 +161,44 @@ def test_accelerator_generators_are_stashed_and_rewound(monkeypatch: pytest.Monk
 
 def test_accelerator_discovery_is_empty_without_an_initialised_device() -> None:
     assert _rng._accelerator_generators() == []
+    assert _rng._accelerator_module() is None  # this CPU build
+
+
+def test_accelerator_discovery_finds_a_device_initialised_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The build's accelerator is looked up once; whether it is initialised, until it is."""
+
+    class Module:  # stands for torch.cuda
+        def __init__(self) -> None:
+            self.initialised = False
+            self.states = {0: torch.tensor([0]), 1: torch.tensor([1])}
+
+        def is_initialized(self) -> bool:
+            return self.initialised
+
+        def device_count(self) -> int:
+            return 2
+
+        def get_rng_state(self, index: int) -> torch.Tensor:
+            return self.states[index].clone()
+
+        def set_rng_state(self, state: torch.Tensor, index: int) -> None:
+            self.states[index] = state.clone()
+
+    module = Module()
+    monkeypatch.setattr(_rng, "_ACCESS", [module])
+    assert _rng._accelerator_generators() == []
+    assert _rng.stash().devices == ()
+    module.initialised = True  # a region must not initialise it, but finds it once it is
+    accesses = _rng._accelerator_generators()
+    assert len(accesses) == 2 and _rng._accelerator_generators() is accesses
+    stashed = _rng.stash()
+    module.states[1] = torch.tensor([7])
+    stashed.apply()
+    assert [int(module.states[i]) for i in (0, 1)] == [0, 1]
+    module.initialised = False  # as in a child forked from an initialised process
+    assert _rng._accelerator_generators() == []
 
 
 def test_strict_mode_accepts_attention_without_dropout() -> None:

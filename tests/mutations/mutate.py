@@ -196,6 +196,34 @@ MUTANTS: tuple[Mutant, ...] = (
         "a plain recompute, which has no global hooks, guards none of the modules with state",
     ),
     Mutant(
+        "guard_caches_guarding_per_class",
+        "scopedckpt/_guard.py",
+        "        kind = _class_kind(type(module))\n    if kind is not None and (kind or",
+        "        kind = _CLASSES[type(module)] = _guarded(module) or None\n"
+        "    if kind is not None and (kind or",
+        ("tests/test_guard.py",),
+        "the first instance of a class the guard sees decides for all: later instances "
+        "with buffers go unguarded",
+    ),
+    Mutant(
+        "guard_copies_lazy_placeholders",
+        "scopedckpt/_guard.py",
+        "            _initialize_lazy(frame, module, args)",
+        "            pass",
+        ("tests/test_guard.py",),
+        "a lazy batch norm first called inside a region fails: its placeholder buffers cannot be copied",
+    ),
+    Mutant(
+        "accelerator_cached_before_it_is_initialised",
+        "scopedckpt/_rng.py",
+        "    if is_initialized is None or not is_initialized():\n        return []",
+        "    if is_initialized is None or not is_initialized():\n        _ACCESS.append([])\n"
+        "        return []",
+        ("tests/test_rng.py",),
+        "a CUDA device initialised after the first region is never stashed: its dropout "
+        "in attention gets new masks in every recompute",
+    ),
+    Mutant(
         "guard_keeps_the_recompute_state",
         "scopedckpt/_guard.py",
         "        module_buffers(entry.module)[name] = real",

@@ -1,0 +1,178 @@
+"""scopedckpt's per-region Python, timed inside real training steps and in a tight loop.
+
+Run by ``python benchmarks/run.py`` (the breakdown section), or alone::
+
+    python benchmarks/machinery.py
+
+Why: ``timeit`` put the buffer guard's global hook and the region set-up at a
+few microseconds per region, while step-level comparisons (breakdown.small_op_gap)
+put them at tens. This times the same functions both ways on the converted
+small-op MLP:
+
+* *in a step*: each function wrapped with ``time.perf_counter_ns`` while whole
+  training steps run, summed and divided by the regions run (the wrapper's own
+  cost, timed on an empty function, is subtracted per call);
+* *in a loop*: the same functions with the same arguments called back to back
+  (``timeit``), times the calls per region counted in the steps.
+
+Their ratio is how much slower the same Python runs between a step's kernels
+than in a loop that keeps it in the caches.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+import timeit
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from scopedckpt import _engine, _guard
+from scopedckpt._state import FRAME, Phase, Scope, Tape
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# What runs per region, by name: (owner, attribute).
+PIECES: dict[str, tuple[Any, str]] = {
+    "region set-up (region_context_fn)": (_engine, "region_context_fn"),
+    "frame entries (forward, recompute)": (_engine._EnterFrame, "__enter__"),
+    "frame exits (forward, recompute)": (_engine._EnterFrame, "__exit__"),
+    "the buffer guard's hook (per module call)": (_guard, "_pre_hook"),
+}
+
+
+@contextmanager
+def _timed(totals: Counter[str], calls: Counter[str]) -> Iterator[None]:
+    """Wrap every piece with a timer while the block runs."""
+    originals = {name: getattr(owner, attr) for name, (owner, attr) in PIECES.items()}
+
+    def wrap(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter_ns() - start
+                calls[name] += 1
+
+        return timed
+
+    for name, (owner, attr) in PIECES.items():
+        setattr(owner, attr, wrap(name, originals[name]))
+    try:
+        yield
+    finally:
+        for name, (owner, attr) in PIECES.items():
+            setattr(owner, attr, originals[name])
+
+
+def _wrapper_ns() -> float:
+    """The timing wrapper's own cost per call, on an empty function."""
+    totals: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
+    box = type("Box", (), {"f": staticmethod(lambda: None)})
+    saved = dict(PIECES)
+    PIECES.clear()
+    PIECES["empty"] = (box, "f")
+    try:
+        with _timed(totals, calls):
+            for _ in range(20000):
+                box.f()
+    finally:
+        PIECES.clear()
+        PIECES.update(saved)
+    return totals["empty"] / calls["empty"]
+
+
+def _in_a_loop(number: int) -> dict[str, float]:
+    """Microseconds per call of each piece, called back to back."""
+    block = nn.Sequential(nn.Linear(256, 256), nn.GELU())
+    x = torch.randn(128, 256, requires_grad=True)
+    scope = Scope(enabled=True, strict=False)
+    linear = block[0]
+
+    def set_up() -> None:
+        _engine.region_context_fn(
+            block, None, block, scope, (x,), {}, preserve_rng_state=True, context_fn=None
+        )
+
+    tape = Tape()
+    forward = _engine._EnterFrame(Phase.FORWARD, tape, scope, None, rewind=False)
+
+    def enter() -> None:
+        forward.__enter__()
+        forward.__exit__(None, None, None)
+
+    def hook() -> None:
+        _guard._pre_hook(linear, (x,))
+
+    def per_call(function: Callable[[], None]) -> float:
+        return min(timeit.repeat(function, number=number, repeat=5)) / number * 1e6
+
+    result = {"region set-up (region_context_fn)": per_call(set_up)}
+    both = per_call(enter)  # an entry and an exit; split as measured in steps below
+    result["frame entry + exit"] = both
+    forward.__enter__()
+    try:
+        assert FRAME.get() is not None
+        result["the buffer guard's hook (per module call)"] = per_call(hook)
+    finally:
+        forward.__exit__(None, None, None)
+    return result
+
+
+def machinery(depth: int = 8, steps: int = 100) -> dict[str, float]:
+    """Microseconds per region of each piece in steps of the converted small-op MLP,
+    and in a loop, and their ratio."""
+    import run
+
+    model, x = run.build("small_mlp", depth, "c")
+    for _ in range(5):
+        run.step(model, x)
+    totals: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
+    with _timed(totals, calls):
+        for _ in range(steps):
+            run.step(model, x)
+    overhead = _wrapper_ns()
+    regions = calls["region set-up (region_context_fn)"]
+    in_step = {
+        name: (totals[name] - overhead * calls[name]) / regions / 1e3 for name in PIECES
+    }
+    loop = _in_a_loop(2000)
+    hook_calls = calls["the buffer guard's hook (per module call)"] / regions
+    entries = calls["frame entries (forward, recompute)"] / regions
+    in_loop = {
+        "region set-up (region_context_fn)": loop["region set-up (region_context_fn)"],
+        "frame entries and exits": loop["frame entry + exit"] * entries,
+        "the buffer guard's hook": loop["the buffer guard's hook (per module call)"] * hook_calls,
+    }
+    in_step_grouped = {
+        "region set-up (region_context_fn)": in_step["region set-up (region_context_fn)"],
+        "frame entries and exits": in_step["frame entries (forward, recompute)"]
+        + in_step["frame exits (forward, recompute)"],
+        "the buffer guard's hook": in_step["the buffer guard's hook (per module call)"],
+    }
+    result: dict[str, float] = {"module calls hooked per region": hook_calls}
+    for name in in_loop:
+        result[f"{name}, in a step, us per region"] = in_step_grouped[name]
+        result[f"{name}, in a loop, us per region"] = in_loop[name]
+    total_step, total_loop = sum(in_step_grouped.values()), sum(in_loop.values())
+    result["all three, in a step, us per region"] = total_step
+    result["all three, in a loop, us per region"] = total_loop
+    result["in a step / in a loop"] = total_step / total_loop
+    return result
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    for key, value in machinery().items():
+        print(f"  {key:<60}{value:>10.2f}")
