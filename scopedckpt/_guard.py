@@ -173,7 +173,7 @@ def _class_kind(cls: type) -> bool | None:
 
     Cached, since the global hook asks at every module call of a first forward.
     Whether an instance has buffers is asked of the instance each time: buffers
-    come and go (lazy modules register theirs in their first forward).
+    come and go (a module may register one after construction).
     """
     kind = _CLASSES.get(cls, _UNSEEN)
     if kind is _UNSEEN:

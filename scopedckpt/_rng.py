@@ -56,22 +56,26 @@ def _accelerator_generators() -> list[Access]:
     # Asked at every region: which accelerator the build has is asked once (it
     # does not change in a process; torch.accelerator's query costs more than a
     # whole CPU stash), whether it is initialised every time (a forked child
-    # of an initialised parent is not).
-    if not _ACCESS:
-        _ACCESS.append(_accelerator_module())
-    module = _ACCESS[0]
+    # of an initialised parent is not). Each cache is set by one assignment, so
+    # threads racing on the first region at worst both compute it.
+    global _ACCELERATOR, _ACCESSES
+    if _ACCELERATOR is None:
+        _ACCELERATOR = (_accelerator_module(),)
+    module = _ACCELERATOR[0]
     if module is None:
         return []
     is_initialized = getattr(module, "is_initialized", None)
     if is_initialized is None or not is_initialized():
         return []
-    if len(_ACCESS) == 1:
-        _ACCESS.append([_device_access(module, i) for i in range(module.device_count())])
-    return _ACCESS[1]
+    if _ACCESSES is None:
+        _ACCESSES = [_device_access(module, i) for i in range(module.device_count())]
+    return _ACCESSES
 
 
-# [the accelerator's device module or None, then, once it was initialised, its accesses]
-_ACCESS: list[Any] = []
+# The build's accelerator device module (or None), once looked up; its devices'
+# accesses, once it was initialised.
+_ACCELERATOR: tuple[Any] | None = None
+_ACCESSES: list[Access] | None = None
 
 
 def _accelerator_module() -> Any:

@@ -187,7 +187,8 @@ def test_accelerator_discovery_finds_a_device_initialised_later(
             self.states[index] = state.clone()
 
     module = Module()
-    monkeypatch.setattr(_rng, "_ACCESS", [module])
+    monkeypatch.setattr(_rng, "_ACCELERATOR", (module,))
+    monkeypatch.setattr(_rng, "_ACCESSES", None)
     assert _rng._accelerator_generators() == []
     assert _rng.stash().devices == ()
     module.initialised = True  # a region must not initialise it, but finds it once it is

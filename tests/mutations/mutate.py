@@ -217,7 +217,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "accelerator_cached_before_it_is_initialised",
         "scopedckpt/_rng.py",
         "    if is_initialized is None or not is_initialized():\n        return []",
-        "    if is_initialized is None or not is_initialized():\n        _ACCESS.append([])\n"
+        "    if is_initialized is None or not is_initialized():\n        _ACCESSES = []\n"
         "        return []",
         ("tests/test_rng.py",),
         "a CUDA device initialised after the first region is never stashed: its dropout "
