@@ -49,9 +49,11 @@ PIECES: dict[str, tuple[Any, str]] = {
 
 
 @contextmanager
-def _timed(totals: Counter[str], calls: Counter[str]) -> Iterator[None]:
+def _timed(
+    pieces: dict[str, tuple[Any, str]], totals: Counter[str], calls: Counter[str]
+) -> Iterator[None]:
     """Wrap every piece with a timer while the block runs."""
-    originals = {name: getattr(owner, attr) for name, (owner, attr) in PIECES.items()}
+    originals = {name: getattr(owner, attr) for name, (owner, attr) in pieces.items()}
 
     def wrap(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(function)
@@ -65,12 +67,12 @@ def _timed(totals: Counter[str], calls: Counter[str]) -> Iterator[None]:
 
         return timed
 
-    for name, (owner, attr) in PIECES.items():
+    for name, (owner, attr) in pieces.items():
         setattr(owner, attr, wrap(name, originals[name]))
     try:
         yield
     finally:
-        for name, (owner, attr) in PIECES.items():
+        for name, (owner, attr) in pieces.items():
             setattr(owner, attr, originals[name])
 
 
@@ -79,16 +81,9 @@ def _wrapper_ns() -> float:
     totals: Counter[str] = Counter()
     calls: Counter[str] = Counter()
     box = type("Box", (), {"f": staticmethod(lambda: None)})
-    saved = dict(PIECES)
-    PIECES.clear()
-    PIECES["empty"] = (box, "f")
-    try:
-        with _timed(totals, calls):
-            for _ in range(20000):
-                box.f()
-    finally:
-        PIECES.clear()
-        PIECES.update(saved)
+    with _timed({"empty": (box, "f")}, totals, calls):
+        for _ in range(20000):
+            box.f()
     return totals["empty"] / calls["empty"]
 
 
@@ -139,7 +134,7 @@ def machinery(depth: int = 8, steps: int = 100) -> dict[str, float]:
         run.step(model, x)
     totals: Counter[str] = Counter()
     calls: Counter[str] = Counter()
-    with _timed(totals, calls):
+    with _timed(PIECES, totals, calls):
         for _ in range(steps):
             run.step(model, x)
     overhead = _wrapper_ns()
