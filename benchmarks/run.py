@@ -2,10 +2,12 @@
 
 Run by hand (not part of the test suite)::
 
-    pip install -e ".[bench]" && python benchmarks/run.py [--quick] [--compiled | --selective]
+    pip install -e ".[bench]" && python benchmarks/run.py [--quick] [--compiled | --selective | --fixed-heap]
 
 ``--compiled`` runs only the torch.compile section instead (see compiled.py),
-``--selective`` only the selective-saving trade-off (see selective.py).
+``--selective`` only the selective-saving trade-off (see selective.py),
+``--fixed-heap`` only the step-time table with glibc's heap trimming and dynamic
+mmap threshold off in the workers (``FIXED_HEAP``).
 
 Configurations, all over the same regions (one per block):
   (a) plain torch layers, no checkpointing
@@ -15,20 +17,25 @@ Configurations, all over the same regions (one per block):
   (e) scopedckpt regions with scoped layers, preserve_rng_state=False (no RNG stash):
       (c)/(e) is what replaying unscoped randomness costs the converted fast path
 Prints a table of ratios, writes benchmarks/results/results.json and results.png.
-Times are medians of interleaved repeats (a, b, c, d, then b, c, d, a, ...) in one
-process, so machine noise hits every configuration alike (four times as many for the
-cheap small-op MLP); peak RSS is measured per configuration in its own subprocess.
+Step times: each configuration of a cell runs in its own worker process
+(benchmarks/workers.py), stepped in interleaved rounds (a, b, c, d, e, then b, c, d,
+e, a, ...), so that machine noise hits every configuration alike while no
+configuration's step meets a heap the others left behind; eight times as many rounds
+for the cheap small-op MLP. Peak RSS is measured per configuration in its own
+subprocess.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.utils.checkpoint as tc
@@ -38,10 +45,12 @@ import scopedckpt
 from scopedckpt._demo import saved_activation_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import breakdown  # benchmarks/breakdown.py and heap.py, next to this file
+import breakdown  # benchmarks/breakdown.py, heap.py and workers.py, next to this file
 import heap
+import workers
 
 RESULTS = Path(__file__).resolve().parent / "results"
+THREADS = 2  # torch threads, in this process and in every worker
 CONFIGS = ("a", "b", "c", "d", "e")
 NAMES = {
     "a": "plain nn",
@@ -178,21 +187,19 @@ ROUNDS_FACTOR = {"small_mlp": 8}  # 168 rounds
 RATIOS = (("c", "b"), ("c", "a"), ("d", "a"), ("c", "e"))
 
 
-def measure(kind: str, depth: int, repeats: int) -> dict[str, object]:
-    """Step times of every configuration; ratios are paired (breakdown.paired): the
-    median over rounds of the two configurations' times in the same round."""
-    models = {c: build(kind, depth, c) for c in CONFIGS}
-    times = breakdown.interleaved_rounds(
-        {c: (lambda m=models[c]: step(*m)) for c in CONFIGS},
-        calls=1,
-        rounds=repeats * ROUNDS_FACTOR.get(kind, 1),
-    )
-    saved = {c: saved_bytes(*models[c]) for c in CONFIGS}
+def measure(
+    steppers: workers.StepWorkers, kind: str, depth: int, repeats: int
+) -> dict[str, object]:
+    """Step times of every configuration, each in its own worker process
+    (benchmarks/workers.py); ratios are paired (breakdown.paired): the median over
+    rounds of the two configurations' times in the same round."""
+    times, faults, saved = steppers.rounds(kind, depth, repeats * ROUNDS_FACTOR.get(kind, 1))
     row: dict[str, object] = {
         "model": kind,
         "depth": depth,
         "rounds": len(times["a"]),
         "median_s": {c: statistics.median(t) for c, t in times.items()},
+        "median_minor_faults": {c: statistics.median(f) for c, f in faults.items()},
         "saved_bytes": saved,
     }
     for numerator, denominator in RATIOS:
@@ -200,7 +207,7 @@ def measure(kind: str, depth: int, repeats: int) -> dict[str, object]:
         row[f"{numerator}/{denominator}"] = median
         row[f"{numerator}/{denominator} 95% interval"] = [low, high]
     row["saved c-b per dropout call"] = (saved["c"] - saved["b"]) / max(
-        1, _dropouts(models["c"][0])
+        1, _dropouts(build(kind, depth, "c")[0])
     )
     return row
 
@@ -302,6 +309,58 @@ def dropout_step_ratio(repeats: int) -> dict[str, dict[str, float]]:
     return result
 
 
+def step_table(depths: tuple[int, ...], repeats: int) -> list[dict[str, object]]:
+    """Every model at every depth, in one set of workers (benchmarks/workers.py)."""
+    rows = []
+    with workers.StepWorkers(CONFIGS, THREADS) as steppers:
+        for kind in MODELS:
+            for depth in depths:
+                rows.append(measure(steppers, kind, depth, repeats))
+                print(f"measured {kind} depth {depth}", file=sys.stderr)
+    return rows
+
+
+def print_step_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        "\nstep time ratios: paired medians over rounds, (c)/(b) with its 95 % interval;"
+        " minor page faults per step, median"
+        f"\n{'model':<12}{'depth':>6}{'rounds':>7}{'(c)/(b) time':>14}{'interval':>15}"
+        f"{'(c)/(a)':>9}{'(d)/(a)':>9}{'(c)/(e)':>9}"
+        f"{'saved MiB a':>13}{'b':>8}{'c':>8}{'d':>8}{'faults a':>10}{'b':>6}{'c':>6}{'d':>6}"
+    )
+    for r in rows:
+        s, f = r["saved_bytes"], r["median_minor_faults"]
+        low, high = r["c/b 95% interval"]
+        print(
+            f"{r['model']:<12}{r['depth']:>6}{r['rounds']:>7}{r['c/b']:>14.3f}"
+            f"{f'{low:.3f}-{high:.3f}':>15}"
+            f"{r['c/a']:>9.3f}{r['d/a']:>9.3f}{r['c/e']:>9.3f}"
+            f"{s['a'] / 2**20:>13.2f}{s['b'] / 2**20:>8.2f}{s['c'] / 2**20:>8.2f}{s['d'] / 2**20:>8.2f}"
+            f"{f['a']:>10.0f}{f['b']:>6.0f}{f['c']:>6.0f}{f['d']:>6.0f}"
+        )
+
+
+# glibc tunables, read when a process starts: blocks under 32 MiB (glibc's largest
+# allowed threshold on 64-bit) come from the heap, setting it switches the dynamic
+# threshold off, and the heap's top is not trimmed under 1 GiB free, so freed pages
+# stay mapped and a step's page faults no longer depend on the heap's history.
+FIXED_HEAP = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
+def run_fixed_heap(depths: tuple[int, ...], repeats: int, quick: bool) -> None:
+    """The step-time table with glibc's heap trimming and dynamic mmap threshold off."""
+    os.environ.update(FIXED_HEAP)  # inherited by the spawned workers
+    rows = step_table(depths, repeats)
+    print(f"\nglibc tunables in the workers: {FIXED_HEAP}")
+    print_step_table(rows)
+    (RESULTS / "fixed_heap.json").write_text(
+        json.dumps(
+            {"rows": rows, "tunables": FIXED_HEAP, "quick": quick, "torch": torch.__version__},
+            indent=2,
+        )
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -317,22 +376,27 @@ def main() -> None:
         action="store_true",
         help="only the selective-saving section (benchmarks/selective.py)",
     )
+    parser.add_argument(
+        "--fixed-heap",
+        action="store_true",
+        help="only the step-time table, with glibc's heap trimming and dynamic mmap "
+        "threshold off in the workers (results/fixed_heap.json)",
+    )
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     if args.compiled:
         run_compiled(args.quick)
         return
     if args.selective:
         run_selective(args.quick)
         return
-    repeats = 5 if args.quick else 21
+    repeats = 3 if args.quick else 21
     depths = (4, 8) if args.quick else (4, 8, 16, 32)
     RESULTS.mkdir(exist_ok=True)
-    rows = []
-    for kind in MODELS:
-        for depth in depths:
-            rows.append(measure(kind, depth, repeats))
-            print(f"measured {kind} depth {depth}", file=sys.stderr)
+    if args.fixed_heap:
+        run_fixed_heap(depths, repeats, args.quick)
+        return
+    rows = step_table(depths, repeats)
     rss, heap_peak, overheads = {}, {}, {}
     for kind in MODELS:
         depth = depths[-1]
@@ -345,21 +409,7 @@ def main() -> None:
     print("\nwhere the remaining time goes (benchmarks/breakdown.py):")
     remaining = breakdown.main(rounds=5 if args.quick else 21)
 
-    print(
-        "\nstep time ratios: paired medians over rounds, (c)/(b) with its 95 % interval"
-        f"\n{'model':<12}{'depth':>6}{'rounds':>7}{'(c)/(b) time':>14}{'interval':>15}"
-        f"{'(c)/(a)':>9}{'(d)/(a)':>9}{'(c)/(e)':>9}"
-        f"{'saved MiB a':>13}{'b':>8}{'c':>8}{'d':>8}"
-    )
-    for r in rows:
-        s = r["saved_bytes"]
-        low, high = r["c/b 95% interval"]
-        print(
-            f"{r['model']:<12}{r['depth']:>6}{r['rounds']:>7}{r['c/b']:>14.3f}"
-            f"{f'{low:.3f}-{high:.3f}':>15}"
-            f"{r['c/a']:>9.3f}{r['d/a']:>9.3f}{r['c/e']:>9.3f}"
-            f"{s['a'] / 2**20:>13.2f}{s['b'] / 2**20:>8.2f}{s['c'] / 2**20:>8.2f}{s['d'] / 2**20:>8.2f}"
-        )
+    print_step_table(rows)
     print(
         f"\npeak heap in use during a step at depth {depths[-1]} (MiB above the heap before it, "
         "mallinfo2 after every aten op):"

@@ -2,7 +2,8 @@
 
 Each call in training mode draws one seed, from ``generator`` when given or
 else from torch's default CPU generator (so ``torch.manual_seed`` reproduces a
-run), and builds its mask from a private generator seeded with it. Inside a
+run), and builds its mask from it alone (a private generator seeded with it,
+or a hash of it for large CPU masks: NOTE [ hashed bits ] in ``_mask.py``). Inside a
 checkpoint region the seed goes on the region's tape and the recompute builds
 the identical mask from it; no global RNG state is stashed or restored, and the
 global stream advances exactly as much as in a run without checkpointing.

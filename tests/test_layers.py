@@ -398,9 +398,17 @@ def test_alpha_dropout_values_equal_torchs_bitwise(p: float, dtype: torch.dtype)
 # --- The mask's bits (NOTE [ mask bits ] in _mask.py) ---
 
 
+@pytest.fixture(params=["hashed", "generator"])
+def bits_from(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Large CPU masks from the hash (NOTE [ hashed bits ]) or from the device's generator."""
+    if request.param == "generator":
+        monkeypatch.setattr(_mask, "HASHED_DEVICES", frozenset())
+    return str(request.param)
+
+
 @pytest.mark.parametrize("p", [1e-3, 0.1, 0.5, 0.9])
-def test_masks_keep_each_element_with_probability_one_minus_p(p: float) -> None:
-    """Even and odd elements alike: they are the two 32-bit halves of one 64-bit draw."""
+def test_masks_keep_each_element_with_probability_one_minus_p(p: float, bits_from: str) -> None:
+    """Even and odd elements alike: they are the two 32-bit halves of one 64-bit word."""
     n = 1 << 20
     keep = _mask.Mask(7, p, (n,), torch.device("cpu"), False, True).keep()
     assert keep.dtype == torch.uint8 and set(keep.unique().tolist()) <= {0, 1}
@@ -411,6 +419,95 @@ def test_masks_keep_each_element_with_probability_one_minus_p(p: float) -> None:
     # Neighbours are independent: both kept as often as (1 - p) ** 2.
     both = float((keep[0::2] & keep[1::2]).double().mean())
     assert abs(both - (1 - p) ** 2) < 6 * ((1 - p) ** 2 / (n // 2)) ** 0.5 + 1e-9
+
+
+def test_masks_of_different_seeds_are_independent(bits_from: str) -> None:
+    """Neighbouring seeds (and, for the hash, seeds a few gammas apart) agree on an
+    element as often as two independent masks would: p**2 + (1 - p)**2."""
+    n, p = 1 << 18, 0.3
+    seed = (1 << 62) - 5
+    gamma = _mask._GAMMA % (1 << 64)
+    base = _mask.Mask(seed, p, (n,), torch.device("cpu"), False, True).keep()
+    for other in (seed - 1, seed - 2, (seed + gamma) % (1 << 64), 0):
+        again = _mask.Mask(other, p, (n,), torch.device("cpu"), False, True).keep()
+        agree = float((base == again).double().mean())
+        expected = p**2 + (1 - p) ** 2
+        assert abs(agree - expected) < 6 * (expected * (1 - expected) / n) ** 0.5, other
+
+
+def _splitmix64(seed: int, word: int) -> int:
+    """SplitMix64's mixer on ``seed + word * gamma``, in Python integers."""
+    z = (seed + word * 0x9E3779B97F4A7C15) % (1 << 64)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % (1 << 64)
+    return z ^ (z >> 31)
+
+
+def _reference_keep(seed: int, p: float, element: int) -> bool:
+    half = (_splitmix64(seed, element // 2) >> (32 * (element % 2))) % (1 << 32)
+    return half - (1 << 32) * (half >> 31) < _mask._threshold(p)
+
+
+@pytest.mark.parametrize(
+    "numel",
+    [
+        _mask.HASHED_FROM_ELEMENTS + 1,  # odd: the last word's high half unused
+        4 * _mask._HASH_CHUNK_WORDS + 3,  # three chunks, the last one short
+    ],
+)
+def test_hashed_masks_are_splitmix64_words(numel: int) -> None:
+    """NOTE [ hashed bits ]: bit for bit a pure-Python SplitMix64, which also pins
+    torch's int64 arithmetic wrapping modulo 2**64 (the multiplies overflow)."""
+    seed, p = (1 << 62) - 12345, 0.3
+    keep = _mask.Mask(seed, p, (numel,), torch.device("cpu"), False, True).keep()
+    if numel < 1 << 17:
+        elements = range(numel)
+    else:  # chunk boundaries and ends
+        chunk = 2 * _mask._HASH_CHUNK_WORDS
+        elements = sorted(
+            {e % numel for k in range(4) for e in range(k * chunk - 40, k * chunk + 40)}
+        )
+    expected = [_reference_keep(seed, p, e) for e in elements]
+    assert keep[list(elements)].bool().tolist() == expected
+
+
+def test_hashed_masks_depend_on_the_seed_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not on the thread count, nor on how the words are split into chunks."""
+    mask = _mask.Mask(11, 0.5, (3, _mask.HASHED_FROM_ELEMENTS), torch.device("cpu"), False, True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = mask.keep()
+        torch.set_num_threads(2)
+        two = mask.keep()
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(_mask, "_HASH_CHUNK_WORDS", 1000)
+    assert torch.equal(one, two) and torch.equal(one, mask.keep())
+
+
+@pytest.mark.parametrize(
+    "numel",
+    [_mask.HASHED_FROM_ELEMENTS, _mask.HASHED_FROM_ELEMENTS + 3, 16 * _mask._HASH_CHUNK_WORDS + 5],
+)
+def test_hashed_masks_hold_two_bytes_per_element_of_scratch(numel: int) -> None:
+    """Two int64 buffers of a quarter of the words, at most _HASH_CHUNK_WORDS each."""
+    words: list[int] = []
+
+    class Allocations(_torch_private.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if func._schema.name in ("aten::empty", "aten::empty_like", "aten::empty.memory_format"):
+                if out.dtype == torch.int64:
+                    words.append(out.numel())
+            return out
+
+    mask = _mask.Mask(5, 0.3, (numel,), torch.device("cpu"), False, True)
+    with Allocations():
+        mask.keep()
+    quarter = -(-((numel + 1) // 2) // 4)
+    assert len(words) == 2 and max(words) == min(quarter, _mask._HASH_CHUNK_WORDS)
+    assert 8 * sum(words) <= 2 * numel + 16
 
 
 def test_mask_thresholds_are_one_minus_p_in_units_of_two_to_the_minus_32() -> None:
@@ -458,7 +555,9 @@ def test_large_masks_draw_their_bits_in_two_pieces(
     numel: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Half the words at once (NOTE [ mask bits ]); on CPU the second piece continues
-    the first one's sequential stream, so the bits are those of one draw."""
+    the first one's sequential stream, so the bits are those of one draw. (On CPU,
+    large masks are hashed instead: switched off here to test the pieces.)"""
+    monkeypatch.setattr(_mask, "HASHED_DEVICES", frozenset())
     words: list[int] = []
 
     class Allocations(_torch_private.TorchDispatchMode):

@@ -399,6 +399,32 @@ MUTANTS: tuple[Mutant, ...] = (
         "the second piece starts the stream again: its bits repeat the first piece's",
     ),
     Mutant(
+        "hash_shifts_arithmetic",
+        "scopedckpt/_mask.py",
+        "zc.bitwise_xor_(tc.bitwise_and_((1 << (64 - shift)) - 1))",
+        "zc.bitwise_xor_(tc)",
+        ("tests/test_layers.py",),
+        "the hash's shifts keep int64's sign extension: not SplitMix64, whose top bits then "
+        "mix less",
+    ),
+    Mutant(
+        "hash_chunks_restart_the_sequence",
+        "scopedckpt/_mask.py",
+        "torch.arange(start, start + n, out=zc)",
+        "torch.arange(0, n, out=zc)",
+        ("tests/test_layers.py",),
+        "every chunk hashes the same indices: a large mask repeats its first chunk's bits",
+    ),
+    Mutant(
+        "hash_in_one_chunk",
+        "scopedckpt/_mask.py",
+        "chunk = min(_HASH_CHUNK_WORDS, -(-words // 4))",
+        "chunk = words",
+        ("tests/test_layers.py",),
+        "the hash's buffers hold all the words: 8 bytes per element of scratch, above "
+        "torch's 4-byte noise",
+    ),
+    Mutant(
         "recompute_takes_the_function",
         "scopedckpt/_mask.py",
         "if input.numel() >= NATIVE_BELOW_ELEMENTS and not recompute:",
