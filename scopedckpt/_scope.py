@@ -25,6 +25,7 @@ Target = nn.Module | type | Predicate
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
+
 def _count_enabled(delta: int) -> None:
     """Keep this thread's ``MIRROR.regions`` (for compiled code) with the scopes:
     an enabled block nested in an enabled one counts once."""

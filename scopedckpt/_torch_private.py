@@ -185,6 +185,7 @@ def module_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     """The module's own registered buffers, by name: the dict itself, to swap entries in."""
     return module._buffers
 
+
 _SCOPED_DRAW: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "scopedckpt_scoped_draw", default=False
 )

@@ -24,7 +24,6 @@ from .._state import DEFAULT_SCOPE, SCOPE
 __all__ = ["gradient_checkpointing_enable"]
 
 
-
 def _checkpoint(function: Callable[..., Any], *args: Any, **torch_kwargs: Any) -> Any:
     """What Hugging Face layers call instead of ``torch.utils.checkpoint.checkpoint``."""
     if torch_kwargs.get("use_reentrant"):
