@@ -193,7 +193,8 @@ def measure(
     """Step times of every configuration, each in its own worker process
     (benchmarks/workers.py); ratios are paired (breakdown.paired): the median over
     rounds of the two configurations' times in the same round."""
-    times, faults, saved = steppers.rounds(kind, depth, repeats * ROUNDS_FACTOR.get(kind, 1))
+    times, faults, facts = steppers.rounds(kind, depth, repeats * ROUNDS_FACTOR.get(kind, 1))
+    saved = {c: facts[c]["saved_bytes"] for c in CONFIGS}
     row: dict[str, object] = {
         "model": kind,
         "depth": depth,
@@ -206,13 +207,12 @@ def measure(
         median, low, high = breakdown.paired(times, numerator, denominator)
         row[f"{numerator}/{denominator}"] = median
         row[f"{numerator}/{denominator} 95% interval"] = [low, high]
-    row["saved c-b per dropout call"] = (saved["c"] - saved["b"]) / max(
-        1, _dropouts(build(kind, depth, "c")[0])
-    )
+    row["saved c-b per dropout call"] = (saved["c"] - saved["b"]) / max(1, facts["c"]["dropouts"])
     return row
 
 
-def _dropouts(model: nn.Module) -> int:
+def dropouts(model: nn.Module) -> int:
+    """How many dropout layers (torch's or scoped) the model has."""
     return sum(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
 
 
@@ -321,6 +321,7 @@ def step_table(depths: tuple[int, ...], repeats: int) -> list[dict[str, object]]
 
 
 def print_step_table(rows: list[dict[str, Any]]) -> None:
+    """The step-time table: ratios, saved MiB and minor page faults per step."""
     print(
         "\nstep time ratios: paired medians over rounds, (c)/(b) with its 95 % interval;"
         " minor page faults per step, median"

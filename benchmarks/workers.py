@@ -4,8 +4,8 @@ Used by ``run.py`` for the step-time table. Why processes: with every configurat
 in one process, a configuration's step meets the heap the others left behind. glibc
 hands large blocks back to the kernel (its dynamic mmap threshold, and trimming the
 top of the heap) depending on the order and sizes of earlier frees, and every page it
-hands back faults again when touched: on the MLP at 8 blocks a step took 1,000-2,100
-minor page faults depending on the configuration, against under 100 with
+hands back faults again when touched: on the MLP at 8 blocks a step took 1,000-2,800
+minor page faults depending on the configuration and on what ran before, under 100 with
 ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` fixed. A cell's ratios then
 depended on which cells and configurations ran before it in the process (the MLP at
 16 blocks measured 0.90 in one full run and 1.00 in the next). A worker per
@@ -48,7 +48,7 @@ def _serve(conn: Connection, config: str, threads: int) -> None:
             built = None  # free the last cell's model first
             built = run.build(message[1], message[2], config)
             run.step(*built)  # warm-up
-            conn.send(run.saved_bytes(*built))
+            conn.send({"saved_bytes": run.saved_bytes(*built), "dropouts": run.dropouts(built[0])})
             continue
         for _ in range(message[1]):
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -64,7 +64,7 @@ class StepWorkers:
     Example
     -------
     >>> with StepWorkers(("a", "b"), threads=2) as workers:  # doctest: +SKIP
-    ...     times, faults, saved = workers.rounds("mlp", 8, rounds=21)
+    ...     times, faults, facts = workers.rounds("mlp", 8, rounds=21)
     """
 
     def __init__(self, configs: tuple[str, ...], threads: int) -> None:
@@ -101,9 +101,10 @@ class StepWorkers:
 
     def rounds(
         self, kind: str, depth: int, rounds: int
-    ) -> tuple[dict[str, list[float]], dict[str, list[int]], dict[str, int]]:
+    ) -> tuple[dict[str, list[float]], dict[str, list[int]], dict[str, dict[str, int]]]:
         """Seconds and minor page faults of each configuration's timed step in every
-        round, and the bytes each saves for backward.
+        round, and facts about each model, from the worker that built it: the bytes it
+        saves for backward (``saved_bytes``) and its dropout layers (``dropouts``).
 
         Only one worker steps at a time, in rotating order (as
         ``breakdown.interleaved_rounds``).
@@ -111,7 +112,7 @@ class StepWorkers:
         conns = self._conns
         for config in self.configs:
             conns[config].send(("build", kind, depth))
-        saved = {config: conns[config].recv() for config in self.configs}
+        facts = {config: conns[config].recv() for config in self.configs}
         for config in self.configs:  # one more turn each, untimed
             conns[config].send(("steps", STEPS_PER_TURN))
             conns[config].recv()
@@ -125,4 +126,4 @@ class StepWorkers:
                 seconds, minor = conns[config].recv()
                 times[config].append(seconds)
                 faults[config].append(minor)
-        return times, faults, saved
+        return times, faults, facts

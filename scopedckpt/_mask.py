@@ -96,8 +96,8 @@ def _hashed_keep(seed: int, threshold: int, keep: Tensor) -> None:
     mixer applied to ``seed + i * gamma (mod 2**64)``, as Java's
     ``SplittableRandom`` computes its outputs (a 64-bit Weyl sequence through
     two xorshift-multiply rounds, which Steele, Lea and Flood (2014) report
-    passes BigCrush). Each word gives two
-    elements their 32 bits, compared with the threshold as in NOTE [ mask bits ].
+    passes BigCrush). Each word gives two elements their 32 bits, compared with
+    the threshold as in NOTE [ mask bits ].
 
     Why: the Mersenne Twister runs sequentially, one element after another, and
     on CPU its cost per element rises from about 2.5 ns to 6 ns between 65,536
@@ -108,9 +108,9 @@ def _hashed_keep(seed: int, threshold: int, keep: Tensor) -> None:
     (interleaved ``timeit``, two threads); at 65,536 the Twister was faster
     (168 against 251, the hash in one chunk). Each word is a pure function of
     the seed and its index, so the chunks and the thread count cannot change
-    the bits. A chunk is a quarter of the words, at most
-    ``_HASH_CHUNK_WORDS`` (two 256 KiB buffers): the draw holds at most 3 bytes
-    per element, as the pieces below do, under the 4 of torch's noise.
+    the bits. A chunk is a quarter of the words, at most ``_HASH_CHUNK_WORDS``
+    (two 256 KiB buffers): the draw holds at most 3 bytes per element, as the
+    pieces below do, under the 4 of torch's noise.
 
     Seeds are drawn uniformly from [0, 2**62): two calls' words overlap only if
     their seeds differ by ``k * gamma`` for some ``k`` below the mask's word

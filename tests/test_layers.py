@@ -486,25 +486,31 @@ def test_hashed_masks_depend_on_the_seed_alone(monkeypatch: pytest.MonkeyPatch) 
     assert torch.equal(one, two) and torch.equal(one, mask.keep())
 
 
+def _int64_outputs(mask: _mask.Mask) -> list[tuple[str, int]]:
+    """(op, element count) of every int64 tensor an op returns while ``mask.keep()`` runs."""
+    outputs: list[tuple[str, int]] = []
+
+    class Outputs(_torch_private.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.int64:
+                outputs.append((func._schema.name, out.numel()))
+            return out
+
+    with Outputs():
+        mask.keep()
+    return outputs
+
+
 @pytest.mark.parametrize(
     "numel",
     [_mask.HASHED_FROM_ELEMENTS, _mask.HASHED_FROM_ELEMENTS + 3, 16 * _mask._HASH_CHUNK_WORDS + 5],
 )
 def test_hashed_masks_hold_two_bytes_per_element_of_scratch(numel: int) -> None:
     """Two int64 buffers of a quarter of the words, at most _HASH_CHUNK_WORDS each."""
-    words: list[int] = []
-
-    class Allocations(_torch_private.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            out = func(*args, **(kwargs or {}))
-            if func._schema.name in ("aten::empty", "aten::empty_like", "aten::empty.memory_format"):
-                if out.dtype == torch.int64:
-                    words.append(out.numel())
-            return out
-
     mask = _mask.Mask(5, 0.3, (numel,), torch.device("cpu"), False, True)
-    with Allocations():
-        mask.keep()
+    empties = ("aten::empty", "aten::empty_like", "aten::empty.memory_format")
+    words = [n for op, n in _int64_outputs(mask) if op in empties]
     quarter = -(-((numel + 1) // 2) // 4)
     assert len(words) == 2 and max(words) == min(quarter, _mask._HASH_CHUNK_WORDS)
     assert 8 * sum(words) <= 2 * numel + 16
@@ -558,18 +564,9 @@ def test_large_masks_draw_their_bits_in_two_pieces(
     the first one's sequential stream, so the bits are those of one draw. (On CPU,
     large masks are hashed instead: switched off here to test the pieces.)"""
     monkeypatch.setattr(_mask, "HASHED_DEVICES", frozenset())
-    words: list[int] = []
-
-    class Allocations(_torch_private.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and out.dtype == torch.int64:
-                words.append(out.numel())
-            return out
-
     mask = _mask.Mask(5, 0.3, (numel,), torch.device("cpu"), False, True)
-    with Allocations():
-        pieces = mask.keep()
+    words = [n for _, n in _int64_outputs(mask)]
+    pieces = mask.keep()
     assert words and max(words) <= (numel + 3) // 4
     monkeypatch.setattr(_mask, "PIECES_FROM_ELEMENTS", 1 << 62)
     assert torch.equal(pieces, mask.keep())
