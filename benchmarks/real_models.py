@@ -75,6 +75,7 @@ FAMILIES: dict[str, Callable[[], Built]] = {
     "timm EfficientNet, BatchNormAct2d": BUILDERS["timm-efficientnet-bnact"],
     "torchvision StochasticDepth, ConvNeXt-like": BUILDERS["torchvision-replica-convnext"],
     "torchvision StochasticDepth, MBConv + BN": BUILDERS["torchvision-replica-mbconv"],
+    "torchvision ResNet (BasicBlock)": BUILDERS["torchvision-resnet"],
     "torchvision ConvNeXt": BUILDERS["torchvision-convnext"],
     "torchvision EfficientNet": BUILDERS["torchvision-efficientnet"],
     "nn.TransformerEncoder, dropout=0.1": BUILDERS["torch-transformer-encoder"],

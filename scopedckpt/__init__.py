@@ -24,7 +24,8 @@ with _warnings.catch_warnings():
     _warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch as _torch  # noqa: F401
 
-from . import functional, integrations, policies
+# _torch_private first: it refuses a torch older than the oldest tested.
+from . import _torch_private, functional, integrations, policies  # noqa: F401
 from ._checkpoint import checkpoint, checkpoint_sequential
 from ._convert import ConvertWarning, convert
 from ._errors import ScopedCkptError

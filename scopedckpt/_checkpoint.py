@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from . import _torch_private
 from ._compiled import compiled_region
 from ._engine import REENTRANT_MESSAGE, ContextFn, _region
 from ._errors import ScopedCkptError
@@ -27,6 +28,7 @@ def checkpoint(
     debug: bool = False,
     early_stop: bool = True,
     preserve_rng_state: bool = True,
+    respect_saved_tensors_hooks: bool | None = None,
     save: Any = None,
     **kwargs: Any,
 ) -> R:
@@ -72,6 +74,13 @@ def checkpoint(
         each recompute the default CPU and accelerator generators' states of
         the first forward (see docs/index.md). ``False`` skips that stash:
         still exact for scoped layers, wrong for any other random op.
+    respect_saved_tensors_hooks
+        torch >= 2.14: whether what torch's selective checkpointing (a
+        ``context_fn`` from ``create_selective_checkpoint_contexts``) keeps goes
+        through the surrounding ``saved_tensors_hooks``; passed to torch as is.
+        ``None`` (torch's default) on older torch, where a value raises.
+        scopedckpt's own ``save=`` keeps its tensors outside the autograd
+        graph, as torch's legacy behaviour does.
     save
         Selective saving for this region, overriding the scope's ``save``
         (see :func:`checkpointing`): the op calls it selects keep their outputs
@@ -87,7 +96,8 @@ def checkpoint(
     Raises
     ------
     TypeError
-        If ``fn`` is not callable.
+        If ``fn`` is not callable, or ``respect_saved_tensors_hooks`` is given
+        to a torch older than 2.14.
     ValueError
         If ``determinism_check`` is not one torch knows.
     ScopedCkptError
@@ -118,6 +128,11 @@ def checkpoint(
             f"scopedckpt: determinism_check must be one of {_DETERMINISM_CHECKS}, "
             f"but got {determinism_check!r}."
         )
+    if respect_saved_tensors_hooks is not None and not _torch_private.PATH.respects_hooks:
+        raise TypeError(
+            f"scopedckpt: checkpoint(respect_saved_tensors_hooks=...) needs torch >= 2.14; "
+            f"torch {torch.__version__} has no such keyword. Leave it unset."
+        )
     region = compiled_region if torch.compiler.is_dynamo_compiling() else _region
     return region(
         fn,
@@ -130,6 +145,7 @@ def checkpoint(
         debug=debug,
         context_fn=context_fn,
         save=save,
+        respect_saved_tensors_hooks=respect_saved_tensors_hooks,
     )
 
 

@@ -128,6 +128,7 @@ def compiled_region(
     debug: bool = False,
     context_fn: ContextFn | None = None,
     save: Any = None,
+    respect_saved_tensors_hooks: bool | None = None,
 ) -> Any:
     """A region as compiled code runs it (NOTE [ torch.compile ]).
 
@@ -141,6 +142,7 @@ def compiled_region(
         debug=debug,
         context_fn=context_fn,
         save=save,
+        respect_saved_tensors_hooks=respect_saved_tensors_hooks,
     )
     if MIRROR.eager:
         return region_outside_dynamo(fn, owner, args, kwargs, **eager)
@@ -161,6 +163,8 @@ def compiled_region(
         options["determinism_check"] = determinism_check
     if debug:
         options["debug"] = debug
+    if respect_saved_tensors_hooks is not None:
+        options["respect_saved_tensors_hooks"] = respect_saved_tensors_hooks
     if context_fn is not None:
         options["context_fn"] = context_fn
     elif key >= 0:

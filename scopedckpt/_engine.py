@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from . import _guard, _report, _rng, _selective, _torch_private
+from . import _guard, _report, _rng, _selective, _strict, _torch_private
 from ._errors import ScopedCkptError
 from ._policy import SavePolicy, as_policy
 from ._state import FRAME, SCOPE, Frame, Phase, Record, Scope, Tape, describe, module_path
@@ -81,7 +81,7 @@ class _EnterFrame:
         strict_mode = None
         saved_rng = None
         if self._phase is Phase.FORWARD and self._scope.strict:
-            strict_mode = _torch_private.unscoped_random_detector()
+            strict_mode = _strict.unscoped_random_detector()
             strict_mode.__enter__()
         if self._phase is Phase.RECOMPUTE:
             COUNTERS.recomputes += 1
@@ -268,6 +268,7 @@ def _region(
     scope: Scope | None = None,
     label: object = None,
     save: Any = None,
+    respect_saved_tensors_hooks: bool | None = None,
 ) -> R:
     """Run ``fn`` as a region if a scope is active and grad is on, else plainly.
 
@@ -298,6 +299,8 @@ def _region(
         determinism_check=determinism_check,
         early_stop=early_stop,
     )
+    if respect_saved_tensors_hooks is not None:  # torch >= 2.14 (checkpoint() checked it)
+        options["respect_saved_tensors_hooks"] = respect_saved_tensors_hooks
     token = OWN_CALL.set(True)
     try:
         if _torch_private.checkpoint_debug_enabled(debug):

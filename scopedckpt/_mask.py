@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._torch_private import scoped_draws
+from ._strict import scoped_draws
 
 __all__ = ["Mask", "MaskedDropout", "masked_dropout"]
 

@@ -6,12 +6,21 @@ Libraries call ``torch.utils.checkpoint`` themselves: timm's ``checkpoint_seq``
 through the module attribute, Hugging Face through a name imported at module
 level and a ``functools.partial`` of it stored when checkpointing is enabled.
 Rebinding names cannot reach all of those, but every call of torch's
-``checkpoint`` looks two module globals up at call time:
-``_checkpoint_without_reentrant_generator`` (the non-reentrant path) and
-``CheckpointFunction`` (the reentrant one). While any ``patch_torch_checkpoint``
-block is open, in any thread, both are replaced (reference-counted, under a
-lock), and so are the module's ``checkpoint`` and ``checkpoint_sequential``
-attributes, which only map an unset ``use_reentrant`` to ``False``.
+``checkpoint`` looks module globals up at call time: the non-reentrant
+generator and ``CheckpointFunction`` (the reentrant path), and on torch >= 2.14
+``_checkpoint_impl``, the front that ``checkpoint`` and its decorator form
+share (NOTE [ torch versions ] in ``_torch_private.py`` names them per torch).
+While any ``patch_torch_checkpoint`` block is open, in any thread, these are
+replaced (reference-counted, under a lock), and so are the module's
+``checkpoint`` and ``checkpoint_sequential`` attributes where they hold the
+mapping of an unset ``use_reentrant``, which then means ``False``.
+
+When the first block opens, the patch proves itself live: it calls torch's
+``checkpoint`` as it was bound before the patch (what Hugging Face stored),
+non-reentrant, reentrant and in decorator form, and every call must reach our
+replacement; else it removes the patch and raises :class:`ScopedCkptError`
+naming the torch version and the piece that was not reached. A torch that
+renamed its generator can therefore never silently get torch's checkpoint back.
 
 The replacements act only in contexts where a patch block is active (a
 ContextVar, like :func:`scopedckpt.checkpointing`); elsewhere they are torch's
@@ -20,7 +29,8 @@ own code. In a patched context:
 * a non-reentrant call becomes a scopedckpt region (``region_context_fn``, the
   same set-up as :func:`scopedckpt.checkpoint`), torch's generator running
   with our context_fn composed with the caller's; ``preserve_rng_state``,
-  ``determinism_check``, ``debug`` and ``early_stop`` keep their meaning;
+  ``determinism_check``, ``debug``, ``early_stop`` and
+  ``respect_saved_tensors_hooks`` keep their meaning;
 * a reentrant call raises :class:`ScopedCkptError`: it cannot be exact;
 * inside ``checkpointing(enabled=False)`` calls are torch's own again;
 * scopedckpt's own calls of torch's checkpoint pass through (``OWN_CALL``).
@@ -48,6 +58,7 @@ from ._engine import OWN_CALL, REENTRANT_MESSAGE, layer_of, region_context_fn
 from ._errors import ScopedCkptError
 from ._scope import decorate
 from ._state import DEFAULT_SCOPE, SCOPE, Scope
+from ._torch_private import PATH
 
 __all__ = ["patch_torch_checkpoint"]
 
@@ -55,6 +66,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _PATCHED: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "scopedckpt_patched", default=False
+)
+# While the patch proves itself live: the set of replacements reached.
+_PROBE: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "scopedckpt_patch_probe", default=None
 )
 _LOCK = threading.Lock()
 _USERS = 0
@@ -69,22 +84,22 @@ def _active_scope() -> Scope | None:
     return scope if scope.enabled else None
 
 
-def _generator(
+def _generator_body(
     fn: Callable[..., Any],
-    preserve_rng_state: bool,
-    context_fn: Any,
-    determinism_check: str,
-    debug: bool,
-    early_stop: bool,
-    *args: Any,
-    **kwargs: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: _torch_private.Options,
 ) -> Generator[None, None, None]:
     """torch's non-reentrant generator, made a scopedckpt region in patched contexts."""
-    torch_generator = _ORIGINALS["_checkpoint_without_reentrant_generator"]
+    probe = _PROBE.get()
+    if probe is not None:
+        probe.add("generator")
+        yield
+        return
+    torch_generator = _ORIGINALS[PATH.generator]  # type: ignore[index]
     scope = _active_scope()
     if scope is None:
-        options = (preserve_rng_state, context_fn, determinism_check, debug, early_stop)
-        return (yield from torch_generator(fn, *options, *args, **kwargs))
+        return (yield from _torch_private.call_generator(torch_generator, fn, args, kwargs, options))
     fn, contexts = region_context_fn(
         fn,
         None,
@@ -92,20 +107,16 @@ def _generator(
         scope,
         args,
         kwargs,
-        preserve_rng_state=preserve_rng_state,
-        context_fn=context_fn,
+        preserve_rng_state=options["preserve_rng_state"],
+        context_fn=options["context_fn"],
     )
-    debug_on = _torch_private.checkpoint_debug_enabled(debug)
-    inner = torch_generator(
-        fn,
-        False,  # the region stashes the generators itself (NOTE [ RNG replay ])
-        _torch_private.NOOP_CONTEXT_FN if debug_on else contexts,
-        determinism_check,
-        debug,
-        early_stop,
-        *args,
-        **kwargs,
+    debug_on = _torch_private.checkpoint_debug_enabled(options["debug"])
+    options = dict(
+        options,
+        preserve_rng_state=False,  # the region stashes the generators itself (NOTE [ RNG replay ])
+        context_fn=_torch_private.NOOP_CONTEXT_FN if debug_on else contexts,
     )
+    inner = _torch_private.call_generator(torch_generator, fn, args, kwargs, options)
     with _torch_private.debug_composed(contexts) if debug_on else contextlib.nullcontext():
         return (yield from inner)
 
@@ -115,19 +126,45 @@ class _ReentrantRefused:
 
     @staticmethod
     def apply(function: Callable[..., Any], preserve: bool, *args: Any) -> Any:
+        probe = _PROBE.get()
+        if probe is not None:
+            probe.add("reentrant")
+            return None
         if _active_scope() is not None:
             raise ScopedCkptError(
                 f"{REENTRANT_MESSAGE} (A call of torch.utils.checkpoint inside "
                 "patch_torch_checkpoint asked for use_reentrant=True, or left it unset "
-                "through a name bound before the patch: torch 2.13's default is reentrant.)"
+                "through a name bound before the patch on a torch whose default is "
+                "reentrant.)"
             )
-        return _ORIGINALS["CheckpointFunction"].apply(function, preserve, *args)
+        return _ORIGINALS[PATH.reentrant].apply(function, preserve, *args)
 
 
-def _checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``torch.utils.checkpoint.checkpoint``, non-reentrant by default when patched."""
-    if kwargs.get("use_reentrant") is None and _active_scope() is not None:
-        kwargs["use_reentrant"] = False
+def _unset_means_false(use_reentrant: bool | None) -> bool | None:
+    if use_reentrant is None and (_PROBE.get() is not None or _active_scope() is not None):
+        return False
+    return use_reentrant
+
+
+def _front(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    use_reentrant: bool | None = None,
+    **options: Any,
+) -> Any:
+    """torch >= 2.14's ``_checkpoint_impl``, non-reentrant by default when patched."""
+    probe = _PROBE.get()
+    if probe is not None:
+        probe.add("front")
+    use_reentrant = _unset_means_false(use_reentrant)
+    return _ORIGINALS[PATH.front](function, args, kwargs, use_reentrant=use_reentrant, **options)
+
+
+def _checkpoint(function: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """torch <= 2.13's ``checkpoint``, non-reentrant by default when patched."""
+    kwargs["use_reentrant"] = _unset_means_false(kwargs.get("use_reentrant"))
     return _ORIGINALS["checkpoint"](function, *args, **kwargs)
 
 
@@ -135,31 +172,98 @@ def _checkpoint_sequential(
     functions: Any, segments: int, input: Any, use_reentrant: bool | None = None, **kwargs: Any
 ) -> Any:
     """``torch.utils.checkpoint.checkpoint_sequential``, non-reentrant by default when patched."""
-    if use_reentrant is None and _active_scope() is not None:
-        use_reentrant = False
     return _ORIGINALS["checkpoint_sequential"](
-        functions, segments, input, use_reentrant=use_reentrant, **kwargs
+        functions, segments, input, use_reentrant=_unset_means_false(use_reentrant), **kwargs
     )
 
 
-_REPLACEMENTS: dict[str, Any] = {
-    "_checkpoint_without_reentrant_generator": _generator,
-    "CheckpointFunction": _ReentrantRefused,
-    "checkpoint": functools.wraps(torch_checkpoint.checkpoint)(_checkpoint),
-    "checkpoint_sequential": functools.wraps(torch_checkpoint.checkpoint_sequential)(
-        _checkpoint_sequential
-    ),
-}
+def _replacements() -> dict[str, Any]:
+    """The module globals to swap on this torch; raises if a needed one is missing."""
+    if PATH.generator is None:
+        raise ScopedCkptError(
+            _torch_private.missing_piece(
+                "torch.utils.checkpoint's non-reentrant generator "
+                "(_checkpoint_without_reentrant_generator_impl on torch >= 2.14, "
+                "_checkpoint_without_reentrant_generator before)",
+                "patch_torch_checkpoint()",
+            )
+        )
+    replacements: dict[str, Any] = {
+        PATH.generator: _torch_private.generator_like(_generator_body),
+        PATH.reentrant: _ReentrantRefused,
+        "checkpoint_sequential": functools.wraps(torch_checkpoint.checkpoint_sequential)(
+            _checkpoint_sequential
+        ),
+    }
+    if PATH.split:
+        replacements[PATH.front] = _front
+    else:
+        replacements["checkpoint"] = functools.wraps(torch_checkpoint.checkpoint)(_checkpoint)
+    return replacements
+
+
+def _probe_fn() -> None:
+    return None
+
+
+def _reached(call: Callable[[], Any]) -> set[str]:
+    """Which replacements ``call`` reaches; the probe makes them do nothing else."""
+    reached: set[str] = set()
+    token = _PROBE.set(reached)
+    try:
+        with torch.no_grad():
+            call()
+    finally:
+        _PROBE.reset(token)
+    return reached
+
+
+def _prove_live(torch_checkpoint_fn: Callable[..., Any]) -> None:
+    """Raise unless torch's ``checkpoint`` as bound before the patch reaches every replacement."""
+    calls: list[tuple[str, Callable[[], Any], str]] = [
+        ("use_reentrant=False", lambda: torch_checkpoint_fn(_probe_fn, use_reentrant=False), "generator"),
+        ("use_reentrant=True", lambda: torch_checkpoint_fn(_probe_fn, use_reentrant=True), "reentrant"),
+    ]
+    if PATH.split:
+        calls.append(("use_reentrant unset", lambda: torch_checkpoint_fn(_probe_fn), "front"))
+    if PATH.decorator_form:
+        decorated = lambda: torch_checkpoint_fn(use_reentrant=False)(_probe_fn)()  # noqa: E731
+        calls.append(("checkpoint(use_reentrant=False)(fn)", decorated, "generator"))
+    names = {"generator": PATH.generator, "reentrant": PATH.reentrant, "front": PATH.front}
+    missing = [
+        f"torch.utils.checkpoint.{names[piece]} (called as {how})"
+        for how, call, piece in calls
+        if piece not in _reached(call)
+    ]
+    if missing:
+        raise ScopedCkptError(
+            _torch_private.missing_piece(
+                "torch's checkpoint calling " + ", ".join(missing), "patch_torch_checkpoint()"
+            )
+        )
 
 
 def _install() -> None:
     global _USERS
     with _LOCK:
-        _USERS += 1
-        if _USERS == 1:
-            for name, replacement in _REPLACEMENTS.items():
+        if _USERS == 0:
+            replacements = _replacements()
+            torch_checkpoint_fn = torch_checkpoint.checkpoint
+            for name, replacement in replacements.items():
                 _ORIGINALS[name] = getattr(torch_checkpoint, name)
                 setattr(torch_checkpoint, name, replacement)
+            try:
+                _prove_live(torch_checkpoint_fn)
+            except BaseException:
+                _restore()
+                raise
+        _USERS += 1
+
+
+def _restore() -> None:
+    for name, original in _ORIGINALS.items():
+        setattr(torch_checkpoint, name, original)
+    _ORIGINALS.clear()
 
 
 def _uninstall() -> None:
@@ -167,9 +271,7 @@ def _uninstall() -> None:
     with _LOCK:
         _USERS -= 1
         if _USERS == 0:
-            for name, original in _ORIGINALS.items():
-                setattr(torch_checkpoint, name, original)
-            _ORIGINALS.clear()
+            _restore()
 
 
 class patch_torch_checkpoint:  # noqa: N801 - reads like the docs: ``with patch_torch_checkpoint():``

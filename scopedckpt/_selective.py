@@ -64,11 +64,11 @@ from torch import Tensor, nn
 from ._errors import ScopedCkptError
 from ._policy import SavePolicy
 from ._state import FRAME, Frame, describe
+from ._strict import draws_random_numbers
 from ._torch_private import (
     SAC_IGNORED_OPS,
     TorchDispatchMode,
     detach_below_autograd,
-    draws_random_numbers,
     op_schema_facts,
 )
 

@@ -1,48 +1,54 @@
-"""Every private torch name scopedckpt uses, in one place.
+"""Every private torch name scopedckpt uses, in one place, chosen once at import.
 
-``torch.utils._python_dispatch.TorchDispatchMode`` is the only way to see each
-aten op a region runs, which strict mode needs to catch random ops that did not
-go through a scoped layer (``nn.Dropout``, ``torch.rand`` in user code): the
-public ``torch.overrides.TorchFunctionMode`` misses ops issued from C++ (e.g.
-``nn.Dropout`` calling ``bernoulli_``). The drop-in ``checkpoint`` needs three private names of
-``torch.utils.checkpoint``: ``_checkpoint_debug_enabled`` (the global switch
-``set_checkpoint_debug_enabled`` sets), ``_get_debug_context_and_cb`` (torch
-builds its debug mode as a ``context_fn`` plus an error callback, and refuses
-``debug=True`` beside any other ``context_fn``: :func:`debug_composed` lets its
-next call return ours composed with torch's), and
-``_checkpoint_without_reentrant_generator``, which ``checkpoint`` looks up at
-every call and which ``patch_torch_checkpoint`` swaps (NOTE [ patching torch's
-checkpoint ] in ``_patch.py``). The memory report (``_report.py``) reads the
-innermost saved-tensor hooks, torch's checkpoint's own, through
-``torch._C._autograd._top_saved_tensors_default_hooks``, to count what a
-region's ops save while still handing every tensor to torch's hook.
-Selective saving (``_selective.py``) is a ``TorchDispatchMode`` too and skips
-the ops ``torch.utils.checkpoint.SAC_IGNORED_OPS`` lists, as torch's own does;
-it detaches kept outputs under ``torch._C._SetExcludeDispatchKeyGuard`` so that
-they share the version counter of the tensor the model holds, reads op schemas
-(``OpOverload._schema``) to know which ops cannot be kept, and, in compiled
-code, asks ``torch._guards.TracingContext`` whether torch is tracing (its
-``context_fn`` then hands torch's own selective-checkpoint modes).
+NOTE [ torch versions ]
+=======================
+scopedckpt reaches into torch where no public API does what it needs; each
+such name is read here, by feature detection rather than version strings, and
+a mechanism whose name is gone raises :class:`ScopedCkptError` at the point of
+use, naming the torch version and the missing piece, instead of silently
+running torch's own checkpoint (``tests/test_torch_private.py``):
 
-The buffer guard (``_guard.py``) swaps
-buffers in and out of ``nn.Module._buffers``, the registry ``register_buffer``
-fills, because assigning through ``setattr`` would run module ``__setattr__``
-logic and hooks on every swap. ``tests/test_torch_private.py`` fails loudly if
-torch renames or changes any of these, or stops tagging its random ops.
-
-Strict mode judges an op random by its ``nondeterministic_seeded`` tag and
-then by its arguments: the tag sits on ops such as
-``aten._scaled_dot_product_flash_attention_for_cpu`` even with
-``dropout_p=0.0``, and on ``native_dropout`` with ``train=False``, which draw
-nothing.
+* **torch's checkpoint call path** (:data:`PATH`). torch <= 2.13:
+  ``checkpoint`` itself calls ``_checkpoint_without_reentrant_generator(fn,
+  preserve_rng_state, context_fn, determinism_check, debug, early_stop,
+  *args, **kwargs)``. torch >= 2.14: ``checkpoint`` and its decorator form
+  call ``_checkpoint_impl(fn, args, kwargs, *, use_reentrant, ...)``, which
+  calls ``_checkpoint_without_reentrant_generator_impl(fn, args, kwargs, *,
+  ..., respect_saved_tensors_hooks)``; the old name survives as a shim
+  nothing in torch calls. Both look their callees up as module globals at
+  every call, which ``patch_torch_checkpoint`` swaps and then proves live
+  (NOTE [ patching torch's checkpoint ] in ``_patch.py``).
+  :func:`call_generator` and :func:`generator_like` hide the two signatures.
+* **debug mode**: ``_checkpoint_debug_enabled`` (the switch
+  ``set_checkpoint_debug_enabled`` sets) and ``_get_debug_context_and_cb``
+  (torch builds ``debug=True`` as a ``context_fn`` plus an error callback and
+  refuses any other ``context_fn`` beside it): :func:`debug_composed` swaps
+  the latter for one call's duration so that it returns ours composed with
+  torch's, and raises if torch did not ask for it.
+* **dispatch modes**: ``torch.utils._python_dispatch.TorchDispatchMode`` is
+  the only way to see each aten op a region runs (strict mode, selective
+  saving); the public ``TorchFunctionMode`` misses ops issued from C++.
+  Selective saving skips ``torch.utils.checkpoint.SAC_IGNORED_OPS``, as torch's
+  own does, detaches kept outputs under ``torch._C._SetExcludeDispatchKeyGuard``
+  so they share the version counter of the tensor the model holds, reads op
+  schemas (``OpOverload._schema``) and asks ``torch._guards.TracingContext``
+  whether torch is tracing.
+* **saved-tensor hooks**: the memory report reads the innermost pair through
+  ``torch._C._autograd._top_saved_tensors_default_hooks``.
+* **module internals**: the buffer guard swaps entries of
+  ``nn.Module._buffers``, the registry ``register_buffer`` fills, because
+  ``setattr`` would run ``__setattr__`` logic and hooks on every swap.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
+import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,45 +58,166 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._errors import ScopedCkptError
 
 __all__ = [
+    "PATH",
     "SAC_IGNORED_OPS",
+    "CheckpointPath",
     "OpOverload",
     "OpOverloadPacket",
     "TorchDispatchMode",
     "bound_arguments",
+    "call_generator",
+    "check_torch",
     "checkpoint_debug_enabled",
     "compose",
     "debug_composed",
     "detach_below_autograd",
-    "draws_random_numbers",
+    "generator_like",
     "module_buffers",
     "op_schema_facts",
-    "scoped_draws",
     "top_saved_tensors_hooks",
     "tracing",
-    "unscoped_random_detector",
 ]
 
+# The oldest torch tested. torch 2.12 does not throw an exception raised in a
+# region's forward into its checkpoint generator, so scopedckpt's contexts would
+# stay entered until a garbage collection, and its dynamo replays a forward patch
+# removed inside a compiled step as a failing delattr (docs/migration.md).
+OLDEST_TORCH = (2, 13)
+
+
+def check_torch(version: str) -> None:
+    """Raise ImportError for a torch older than :data:`OLDEST_TORCH`."""
+    release = re.match(r"(\d+)\.(\d+)", version)
+    if release is None or (int(release[1]), int(release[2])) < OLDEST_TORCH:
+        raise ImportError(
+            f"scopedckpt needs torch >= {'.'.join(map(str, OLDEST_TORCH))}, but torch "
+            f"{version} is installed: on older torch an exception inside a checkpoint "
+            "region would leave scopedckpt's scope active. Upgrade torch "
+            "(pip install 'torch>=2.13')."
+        )
+
+
+check_torch(torch.__version__)
+
 ContextFn = Callable[[], tuple[Any, Any]]
+Options = dict[str, Any]  # torch's checkpoint keywords, less use_reentrant
+CheckpointGenerator = Generator[None, None, None]
+
+
+@dataclass(frozen=True)
+class CheckpointPath:
+    """How this torch's ``checkpoint`` reaches its non-reentrant generator."""
+
+    front: str  # the module global mapping use_reentrant to a path, looked up per call
+    generator: str | None  # the generator global the front calls; None: none known
+    split: bool  # torch >= 2.14: generator(fn, args, kwargs, *, **options)
+    options: tuple[str, ...]  # the keywords the generator takes besides fn and arguments
+    decorator_form: bool  # checkpoint(use_reentrant=False)(fn) exists
+
+    @property
+    def respects_hooks(self) -> bool:
+        """Whether torch's checkpoint takes ``respect_saved_tensors_hooks`` (torch >= 2.14)."""
+        return "respect_saved_tensors_hooks" in self.options
+
+    @property
+    def reentrant(self) -> str:
+        """The global holding reentrant checkpointing's ``autograd.Function``."""
+        return "CheckpointFunction"
+
+
+_OPTIONS = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
+
+
+def _checkpoint_path() -> CheckpointPath:
+    def has(name: str) -> bool:
+        return callable(getattr(torch_checkpoint, name, None))
+
+    split = has("_checkpoint_impl") and has("_checkpoint_without_reentrant_generator_impl")
+    if split:
+        generator: str | None = "_checkpoint_without_reentrant_generator_impl"
+        front = "_checkpoint_impl"
+    else:
+        generator = "_checkpoint_without_reentrant_generator"
+        front = "checkpoint"
+        generator = generator if has(generator) else None
+    parameters = inspect.signature(torch_checkpoint.checkpoint).parameters
+    options = _OPTIONS + tuple(
+        name for name in ("respect_saved_tensors_hooks",) if name in parameters
+    )
+    function = parameters.get("function")
+    decorator = function is not None and function.default is None
+    return CheckpointPath(front, generator, split, options, decorator)
+
+
+PATH = _checkpoint_path()
+
+
+def call_generator(
+    original: Callable[..., CheckpointGenerator],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: Options,
+) -> CheckpointGenerator:
+    """Start torch's own generator ``original`` in this torch's calling convention."""
+    if PATH.split:
+        return original(fn, args, kwargs, **options)
+    positional = [options[name] for name in _OPTIONS]
+    return original(fn, *positional, *args, **kwargs)
+
+
+def generator_like(
+    body: Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any], Options], Any],
+) -> Callable[..., Any]:
+    """A stand-in for torch's generator, called as torch calls it, running
+    ``body(fn, args, kwargs, options)`` (which returns the generator)."""
+    if PATH.split:
+
+        def impl(fn: Callable[..., Any], args: Any, kwargs: Any, **options: Any) -> Any:
+            return body(fn, tuple(args), dict(kwargs), options)
+
+        return impl
+
+    def generator(
+        fn: Callable[..., Any],
+        preserve_rng_state: bool = True,
+        context_fn: ContextFn | None = None,
+        determinism_check: str = "default",
+        debug: bool = False,
+        early_stop: bool = True,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        options = dict(
+            preserve_rng_state=preserve_rng_state,
+            context_fn=NOOP_CONTEXT_FN if context_fn is None else context_fn,
+            determinism_check=determinism_check,
+            debug=debug,
+            early_stop=early_stop,
+        )
+        return body(fn, args, kwargs, options)
+
+    return generator
 
 
 def checkpoint_debug_enabled(debug: bool) -> bool:
     """torch's own rule: ``set_checkpoint_debug_enabled`` overrides the ``debug`` argument."""
-    switch: bool | None = torch_checkpoint._checkpoint_debug_enabled
+    switch: bool | None = getattr(torch_checkpoint, "_checkpoint_debug_enabled", None)
     return debug if switch is None else switch
 
 
 _DEBUG_PENDING: contextvars.ContextVar[ContextFn | None] = contextvars.ContextVar(
     "scopedckpt_debug_pending", default=None
 )
-_TORCH_DEBUG_CONTEXT: Callable[[], tuple[ContextFn, Any]] = (
-    torch_checkpoint._get_debug_context_and_cb
-)
+_DEBUG_NAME = "_get_debug_context_and_cb"
 _DEBUG_LOCK = threading.Lock()
+_DEBUG_USERS = 0
+_TORCH_DEBUG_CONTEXT: list[Callable[[], tuple[ContextFn, Any]]] = []  # torch's, while swapped
 
 
 def _debug_context_and_cb() -> tuple[ContextFn, Any]:
     """torch's debug context_fn and callback; with ours composed in when one is pending."""
-    debug_context_fn, callback = _TORCH_DEBUG_CONTEXT()
+    debug_context_fn, callback = _TORCH_DEBUG_CONTEXT[0]()
     ours = _DEBUG_PENDING.get()
     if ours is None:
         return debug_context_fn, callback
@@ -101,15 +228,51 @@ def _debug_context_and_cb() -> tuple[ContextFn, Any]:
 
 @contextlib.contextmanager
 def debug_composed(context_fn: ContextFn) -> Iterator[None]:
-    """Let the next ``checkpoint(..., debug=True)`` in this context run ``context_fn`` too."""
+    """Let the next ``checkpoint(..., debug=True)`` in this context run ``context_fn`` too.
+
+    torch's ``_get_debug_context_and_cb`` is swapped while any such block is
+    open (reference-counted, in any thread) and put back after the last.
+
+    Raises
+    ------
+    ScopedCkptError
+        If this torch has no ``_get_debug_context_and_cb``, or its checkpoint
+        did not call it: the region would have run without scopedckpt.
+    """
+    global _DEBUG_USERS
     with _DEBUG_LOCK:
-        if torch_checkpoint._get_debug_context_and_cb is not _debug_context_and_cb:
-            torch_checkpoint._get_debug_context_and_cb = _debug_context_and_cb
+        if _DEBUG_USERS == 0:
+            torch_function = getattr(torch_checkpoint, _DEBUG_NAME, None)
+            if torch_function is None:
+                piece = f"torch.utils.checkpoint.{_DEBUG_NAME}"
+                raise ScopedCkptError(missing_piece(piece, "debug=True"))
+            _TORCH_DEBUG_CONTEXT[:] = [torch_function]
+            setattr(torch_checkpoint, _DEBUG_NAME, _debug_context_and_cb)
+        _DEBUG_USERS += 1
     token = _DEBUG_PENDING.set(context_fn)
     try:
         yield
+        if _DEBUG_PENDING.get() is not None:
+            raise ScopedCkptError(
+                missing_piece(f"a call of torch.utils.checkpoint.{_DEBUG_NAME}", "debug=True")
+            )
     finally:
         _DEBUG_PENDING.reset(token)
+        with _DEBUG_LOCK:
+            _DEBUG_USERS -= 1
+            if _DEBUG_USERS == 0:
+                setattr(torch_checkpoint, _DEBUG_NAME, _TORCH_DEBUG_CONTEXT.pop())
+
+
+def missing_piece(piece: str, feature: str) -> str:
+    """The message for a torch that lacks what ``feature`` relies on."""
+    return (
+        f"scopedckpt: {feature} relies on {piece}, which torch {torch.__version__} does not "
+        "have or no longer uses, so it would silently run torch's own checkpoint (batch "
+        "norm updated twice, randomness not replayed). Install a torch this scopedckpt "
+        "release supports (README: 'Tested with'), or upgrade scopedckpt; until then use "
+        "scopedckpt.checkpoint or checkpointing(targets) instead."
+    )
 
 
 class _Both:
@@ -186,35 +349,6 @@ def module_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return module._buffers
 
 
-_SCOPED_DRAW: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "scopedckpt_scoped_draw", default=False
-)
-
-
-class _ScopedDraws:
-    """Mark random ops issued by scoped layers as allowed in strict mode.
-
-    A plain class rather than ``@contextmanager``: it runs on every dropout
-    call, and a generator-based context manager costs several times more.
-    """
-
-    __slots__ = ("_token",)
-
-    def __enter__(self) -> None:
-        self._token = _SCOPED_DRAW.set(True)
-
-    def __exit__(self, *exc: object) -> None:
-        _SCOPED_DRAW.reset(self._token)
-
-
-def scoped_draws() -> _ScopedDraws:
-    """A fresh (single-use) context manager under which strict mode lets random ops through."""
-    return _ScopedDraws()
-
-
-_NO_DRAW = {"p": 0.0, "dropout_p": 0.0, "train": False, "training": False}
-
-
 def bound_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """An aten op's arguments by schema name, defaults included."""
     named = dict(kwargs)
@@ -224,63 +358,6 @@ def bound_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         elif argument.name not in named and argument.has_default_value():
             named[argument.name] = argument.default_value
     return named
-
-
-def draws_random_numbers(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether this call of a tagged op really draws (``dropout_p=0`` does not)."""
-    if torch.Tag.nondeterministic_seeded not in func.tags:
-        return False
-    named = bound_arguments(func, args, kwargs)
-    return not any(name in named and named[name] == value for name, value in _NO_DRAW.items())
-
-
-def _explicit_generator(named: dict[str, Any]) -> bool:
-    generator = named.get("generator")
-    if generator is None:
-        return False
-    if generator.device.type == "cpu":
-        return generator is not torch.default_generator
-    module = torch.get_device_module(generator.device.type)
-    defaults = getattr(module, "default_generators", ())
-    return all(generator is not default for default in defaults)
-
-
-class _UnscopedRandomDetector(TorchDispatchMode):
-    """Raise on seeded random ops that no scoped layer issued."""
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if not _SCOPED_DRAW.get() and draws_random_numbers(func, args, kwargs):
-            if _explicit_generator(bound_arguments(func, args, kwargs)):
-                raise ScopedCkptError(
-                    f"scopedckpt: strict mode found the random op {func} drawing from a "
-                    "torch.Generator of its own inside a checkpoint region. The recompute "
-                    "rewinds only torch's default generators, so it would draw different "
-                    "numbers and the gradients would be silently wrong. Use a scoped layer "
-                    "with generator=... (scopedckpt.Dropout(p, generator=g)), or draw from "
-                    "the default generator, or draw outside the region."
-                )
-            raise ScopedCkptError(
-                f"scopedckpt: strict mode found the random op {func} inside a checkpoint "
-                "region, not issued by a scoped layer. It is replayed exactly from the "
-                "region's stash of the default generators, but strict mode asks for scoped "
-                "layers (no stash needed, exact also with preserve_rng_state=False). Replace "
-                "torch dropout layers with scoped ones (scopedckpt.convert(model) does it in "
-                "place), call scopedckpt.functional.dropout instead of "
-                "torch.nn.functional.dropout, or turn strict off."
-            )
-        return func(*args, **kwargs)
-
-
-def unscoped_random_detector() -> TorchDispatchMode:
-    """A fresh dispatch mode that raises on unscoped random ops."""
-    return _UnscopedRandomDetector()
 
 
 def tracing() -> bool:

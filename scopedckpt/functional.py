@@ -38,7 +38,7 @@ from torch import Tensor
 from ._errors import ScopedCkptError
 from ._mask import Mask, masked_dropout
 from ._state import FRAME, MIRROR, Phase, describe, tape_value
-from ._torch_private import scoped_draws
+from ._strict import scoped_draws
 
 __all__ = [
     "alpha_dropout",

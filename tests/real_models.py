@@ -450,11 +450,19 @@ def torchvision_replica(kind: str) -> Built:
 def torchvision_model(kind: str) -> Built:
     tv = _torchvision()
     gen = _seeded()
+    if kind == "resnet":
+        from torchvision.models.resnet import BasicBlock, ResNet
+
+        model: nn.Module = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=4)
+        model.fc = nn.Sequential(nn.Dropout(0.2), model.fc)  # ResNet draws nothing itself
+        blocks = [m for m in model.modules() if isinstance(m, BasicBlock)]
+        labels = torch.randint(0, 4, (4,), generator=gen)
+        return Built(model, (_images(gen, 4, 32),), blocks, _cross_entropy(labels))
     if kind == "convnext":
         from torchvision.models.convnext import CNBlock as TVCNBlock
         from torchvision.models.convnext import CNBlockConfig, ConvNeXt
 
-        model: nn.Module = ConvNeXt(
+        model = ConvNeXt(
             [CNBlockConfig(16, 32, 2), CNBlockConfig(32, None, 2)],
             stochastic_depth_prob=0.3,
             layer_scale=0.5,
@@ -501,6 +509,7 @@ FAMILIES: dict[str, Callable[[], Built]] = {
     "timm-efficientnet-bnact": timm_efficientnet,
     "torchvision-replica-convnext": partial(torchvision_replica, "convnext"),
     "torchvision-replica-mbconv": partial(torchvision_replica, "mbconv"),
+    "torchvision-resnet": partial(torchvision_model, "resnet"),
     "torchvision-convnext": partial(torchvision_model, "convnext"),
     "torchvision-efficientnet": partial(torchvision_model, "efficientnet"),
     "torch-transformer-encoder": torch_transformer_encoder,

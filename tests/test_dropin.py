@@ -267,13 +267,15 @@ def test_reentrant_calls_are_refused_inside_the_patch_only() -> None:
 
 
 def test_the_patch_is_removed_on_exit_and_on_exceptions() -> None:
-    originals = {n: getattr(tc, n) for n in ("checkpoint", "checkpoint_sequential", "CheckpointFunction")}
-    generator = tc._checkpoint_without_reentrant_generator
+    from scopedckpt._torch_private import PATH
+
+    names = {PATH.front, PATH.generator, PATH.reentrant, "checkpoint", "checkpoint_sequential"}
+    originals = {n: getattr(tc, n) for n in names if n is not None}
     with pytest.raises(KeyError), patch_torch_checkpoint(), patch_torch_checkpoint():
-        assert tc.checkpoint is not originals["checkpoint"]
+        assert getattr(tc, PATH.front) is not originals[PATH.front]
+        assert getattr(tc, PATH.generator) is not originals[PATH.generator]
         raise KeyError("boom")
     assert {n: getattr(tc, n) for n in originals} == originals
-    assert tc._checkpoint_without_reentrant_generator is generator
 
 
 def test_other_threads_keep_torchs_own_checkpoint() -> None:

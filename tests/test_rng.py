@@ -159,9 +159,16 @@ def test_accelerator_generators_are_stashed_and_rewound(monkeypatch: pytest.Monk
     assert device.sets == [1, 3]
 
 
-def test_accelerator_discovery_is_empty_without_an_initialised_device() -> None:
-    assert _rng._accelerator_generators() == []
-    assert _rng._accelerator_module() is None  # this CPU build
+def test_accelerator_discovery_matches_torchs_own_answer() -> None:
+    """CPU builds, and CUDA builds on a machine without a GPU: no accelerator, no
+    generators; with a device, its module, and generators once it is initialised."""
+    module = _rng._accelerator_module()
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is None:
+        assert module is None and _rng._accelerator_generators() == []
+    else:
+        assert module is torch.get_device_module(accelerator.type)
+        assert bool(_rng._accelerator_generators()) == bool(module.is_initialized())
 
 
 def test_accelerator_discovery_finds_a_device_initialised_later(

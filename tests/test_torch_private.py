@@ -7,7 +7,7 @@ import inspect
 import torch
 import torch.utils.checkpoint as tc
 
-from scopedckpt import _torch_private
+from scopedckpt import _strict, _torch_private
 
 
 def test_torch_dispatch_mode_still_sees_random_aten_ops_with_their_tag() -> None:
@@ -47,10 +47,10 @@ def test_flash_attention_for_cpu_is_tagged_random_even_without_dropout() -> None
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     assert torch.Tag.nondeterministic_seeded in op.tags
     q = torch.randn(1, 1, 2, 4)
-    assert not _torch_private.draws_random_numbers(op, (q, q, q), {})
-    assert _torch_private.draws_random_numbers(op, (q, q, q, 0.1), {})
+    assert not _strict.draws_random_numbers(op, (q, q, q), {})
+    assert _strict.draws_random_numbers(op, (q, q, q, 0.1), {})
     dropout = torch.ops.aten.native_dropout.default
-    assert not _torch_private.draws_random_numbers(dropout, (q, 0.5, False), {})
+    assert not _strict.draws_random_numbers(dropout, (q, 0.5, False), {})
     assert _torch_private.bound_arguments(dropout, (q, 0.5), {"train": True})["p"] == 0.5
 
 
@@ -86,22 +86,27 @@ def test_generator_state_round_trips() -> None:
 
 
 def test_the_generators_patch_torch_checkpoint_swaps_keep_their_signatures() -> None:
-    """_patch.py replaces these module globals with functions of the same call shape."""
-    generator = inspect.signature(tc._checkpoint_without_reentrant_generator)
-    assert list(generator.parameters)[:6] == [
-        "fn",
-        "preserve_rng_state",
-        "context_fn",
-        "determinism_check",
-        "debug",
-        "early_stop",
-    ]
+    """_patch.py replaces these module globals with functions of the same call shape
+    (NOTE [ torch versions ]); the patch also proves itself live at run time."""
+    path = _torch_private.PATH
+    assert path.generator is not None, "torch renamed its non-reentrant generator again"
+    generator = inspect.signature(getattr(tc, path.generator))
+    if path.split:  # torch >= 2.14
+        assert list(generator.parameters)[:3] == ["fn", "args", "kwargs"]
+        keyword_only = [
+            name for name, p in generator.parameters.items() if p.kind is p.KEYWORD_ONLY
+        ]
+        assert set(path.options) <= set(keyword_only), keyword_only
+        front = inspect.getsource(getattr(tc, path.front))
+        assert f"{path.generator}(" in front
+    else:
+        assert list(generator.parameters)[:6] == ["fn", *path.options[:5]]
+        front = inspect.getsource(tc.checkpoint)
+        assert f"{path.generator}(" in front
+    assert "CheckpointFunction.apply(" in front
     assert callable(tc.CheckpointFunction.apply)
-    source = inspect.getsource(tc.checkpoint)
-    assert "_checkpoint_without_reentrant_generator(" in source
-    assert "CheckpointFunction.apply(" in source
     assert "context_fn, unpack_error_cb = _get_debug_context_and_cb()" in inspect.getsource(
-        tc._checkpoint_without_reentrant_generator
+        getattr(tc, path.generator)
     )
     assert tc._checkpoint_debug_enabled is None  # the switch's default, read as torch reads it
 

@@ -233,7 +233,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "strict_ignores_dropout_p",
-        "scopedckpt/_torch_private.py",
+        "scopedckpt/_strict.py",
         "return not any(name in named and named[name] == value for name, value in _NO_DRAW.items())",
         "return True",
         ("tests/test_rng.py", "tests/test_torch_private.py"),
@@ -246,6 +246,31 @@ MUTANTS: tuple[Mutant, ...] = (
         "    return None",
         ("tests/test_dropin.py",),
         "torch's checkpoint inside patch_torch_checkpoint stays torch's (batch norm twice)",
+    ),
+    # The torch-version layer (NOTE [ torch versions ] in _torch_private.py).
+    Mutant(
+        "patch_not_proven_live",
+        "scopedckpt/_patch.py",
+        "                _prove_live(torch_checkpoint_fn)",
+        "                pass",
+        ("tests/test_torch_versions.py",),
+        "a torch that calls its generator by a new name silently gets its own checkpoint back",
+    ),
+    Mutant(
+        "patch_misses_the_split_front",
+        "scopedckpt/_patch.py",
+        "        replacements[PATH.front] = _front",
+        "        pass",
+        ("tests/test_torch_versions.py", "tests/test_dropin.py"),
+        "torch >= 2.14 (run with it): an unset use_reentrant through a bound name is reentrant",
+    ),
+    Mutant(
+        "debug_hook_left_swapped",
+        "scopedckpt/_torch_private.py",
+        "                setattr(torch_checkpoint, _DEBUG_NAME, _TORCH_DEBUG_CONTEXT.pop())",
+        "                pass",
+        ("tests/test_torch_versions.py",),
+        "torch's _get_debug_context_and_cb stays replaced after a debug region",
     ),
     Mutant(
         "user_context_fn_dropped",
