@@ -8,6 +8,7 @@ import warnings
 from torch import nn
 
 from . import _layers
+from ._torch_private import DropoutBase, NormBase
 
 __all__ = ["ConvertWarning", "convert"]
 
@@ -154,7 +155,7 @@ def _unscoped_reason(module: nn.Module) -> str | None:
         return _RANDOM_BY_NAME[kind.__name__]
     if isinstance(module, _TORCH_TYPES):
         return "a subclass of a torch layer; its forward may differ from torch's"
-    if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats:
+    if isinstance(module, NormBase) and module.track_running_stats:
         return "running statistics"
     if isinstance(module, nn.MultiheadAttention) and module.dropout > 0:
         return f"functional attention dropout, p={module.dropout}"
@@ -169,7 +170,7 @@ def _unscoped_reason(module: nn.Module) -> str | None:
         rates += [
             child.p
             for child in module.children()
-            if isinstance(child, nn.modules.dropout._DropoutNd)
+            if isinstance(child, DropoutBase)
         ]
         if any(rate > 0 for rate in rates):
             return f"attention dropout applied functionally, p={max(rates)}"

@@ -19,6 +19,7 @@ from . import functional as SF
 from ._guard import self_guarded
 from ._selective import internal
 from ._state import MIRROR, Phase, tape_value
+from ._torch_private import BatchNormBase, DropoutBase, check_input_dim
 
 __all__ = [
     "AlphaDropout",
@@ -33,7 +34,7 @@ __all__ = [
 ]
 
 
-class _ScopedDropout(nn.modules.dropout._DropoutNd):
+class _ScopedDropout(DropoutBase):
     """Shared constructor and forward of the scoped dropout layers."""
 
     _impl: SF.Impl
@@ -192,7 +193,7 @@ class FeatureAlphaDropout(_ScopedDropout, nn.FeatureAlphaDropout):
     _uses_inplace = False
 
 
-class _ScopedBatchNorm(nn.modules.batchnorm._BatchNorm):
+class _ScopedBatchNorm(BatchNormBase):
     """Shared forward of the scoped batch-norm layers."""
 
     @self_guarded  # its own recompute path: the buffer guard skips it (NOTE [ buffer guard ])
@@ -213,7 +214,7 @@ class _ScopedBatchNorm(nn.modules.batchnorm._BatchNorm):
         # the same bits and the same saved tensors (torch checks their number
         # and shapes), but the running buffers it would update are throwaway
         # copies, so running_mean, running_var and num_batches_tracked stay put.
-        self._check_input_dim(input)
+        check_input_dim(self, input)
         running_mean, running_var = self.running_mean, self.running_var
         if training and self.track_running_stats and running_mean is not None:
             with internal():  # recompute-only ops: not numbered by selective saving

@@ -11,6 +11,7 @@ state. See :mod:`scopedckpt.functional` for how seeds are drawn and replayed.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from torch import Tensor
 
 from ._strict import scoped_draws
 
-__all__ = ["Mask", "MaskedDropout", "masked_dropout"]
+__all__ = ["STREAM_VERSION", "Mask", "MaskedDropout", "masked_dropout"]
 
 # SELU's negative saturation, as in ATen's alpha dropout.
 _ALPHA = 1.7580993408473766
@@ -29,11 +30,15 @@ _ALPHA = 1.7580993408473766
 
 _GENERATORS = threading.local()
 
-# ``Mask.scale`` by (p, dtype): computing it costs a kernel and a sync.
-_SCALES: dict[tuple[float, torch.dtype], float] = {}
+# The version of the mask stream: which elements a (seed, p, shape, device) keeps.
+# It changes, with a CHANGELOG line, whenever any size band's bits change (the
+# constants below decide the bands); tests/test_layers.py pins each band's bits
+# under this version (golden masks), so that tuning a constant cannot silently
+# change users' masks. 1: torch.rand; 2: 32-bit words, pieces, hashed CPU bits.
+STREAM_VERSION = 2
 
-# The keep threshold by p (NOTE [ mask bits ]).
-_THRESHOLDS: dict[float, int] = {}
+# Caches by p: a dropout schedule brings a new p every step, so they are bounded.
+_CACHE_SIZE = 1024
 
 # Element-wise dropout below this many elements runs as plain ATen ops under
 # torch's own autograd; from it on, as MaskedDropout, except in recomputes
@@ -145,6 +150,7 @@ def _hashed_keep(seed: int, threshold: int, keep: Tensor) -> None:
         torch.lt(zc.view(torch.int32)[: last - first], threshold, out=keep[first:last])
 
 
+@functools.lru_cache(maxsize=_CACHE_SIZE)
 def _threshold(p: float) -> int:
     """The signed 32-bit value a draw must be below for its element to be kept.
 
@@ -182,11 +188,13 @@ def _threshold(p: float) -> int:
     65,536 elements (158 against 148) and 12 us for 131,072 (297 against
     285).
     """
-    threshold = _THRESHOLDS.get(p)
-    if threshold is None:
-        keep = min(round((1.0 - p) * 2.0**32), (1 << 32) - 1)
-        threshold = _THRESHOLDS[p] = keep - (1 << 31)
-    return threshold
+    keep = min(round((1.0 - p) * 2.0**32), (1 << 32) - 1)
+    return keep - (1 << 31)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)  # computing it costs a kernel and a sync
+def _scale(p: float, dtype: torch.dtype) -> float:
+    return float(torch.ones((), dtype=dtype, device="cpu").div_(1.0 - p))
 
 
 @dataclass(frozen=True)
@@ -252,11 +260,7 @@ class Mask:
         The one value both formulations scale by (:meth:`_noise` and ``x * keep
         * scale``), so that they are the same bits in every dtype.
         """
-        key = (self.p, dtype)
-        scale = _SCALES.get(key)
-        if scale is None:
-            scale = _SCALES[key] = float(torch.ones((), dtype=dtype, device="cpu").div_(1.0 - self.p))
-        return scale
+        return _scale(self.p, dtype)
 
     def _alpha_scale(self) -> float:
         """What alpha dropout multiplies kept elements by: ATen's ``a``."""

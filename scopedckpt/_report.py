@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ._torch_private import module_buffers, top_saved_tensors_hooks
+from ._torch_private import base_of, module_buffers, top_saved_tensors_hooks
 
 __all__ = ["MemoryReport", "RegionStats", "memory_report"]
 
@@ -298,7 +298,7 @@ class counting_saved_tensors:  # noqa: N801 - used like torch's saved_tensors_ho
         def counting_pack(tensor: torch.Tensor) -> Any:
             # Runs for every saved tensor: the common case (seen, or a weight)
             # returns before any call.
-            base = tensor._base
+            base = base_of(tensor)
             owner = tensor if base is None else base  # a weight, or its transpose
             # isinstance(x, Parameter) runs Python (Parameter's metaclass) for
             # every plain tensor: tell those apart by type first.

@@ -70,6 +70,7 @@ from ._torch_private import (
     TorchDispatchMode,
     detach_below_autograd,
     op_schema_facts,
+    version_of,
 )
 
 __all__ = ["Saved", "SavingMode", "ServingMode", "internal"]
@@ -245,7 +246,7 @@ class SavingMode(_RegionMode):
         entries.append(
             _Kept(
                 kept,
-                tuple((t, t._version) for t in _tensors(kept)),
+                tuple((t, version_of(t)) for t in _tensors(kept)),
                 _signature(args, kwargs),
                 rng,
             )
@@ -283,7 +284,7 @@ class ServingMode(_RegionMode):
                 "ran other ops in its recompute; its control flow must not depend on data "
                 "that changes between forward and backward."
             )
-        if any(t._version != version for t, version in entry.versions):
+        if any(version_of(t) != version for t, version in entry.versions):
             return func(*args, **kwargs)  # changed in place after it was kept: recompute
         if entry.rng is not None:
             entry.rng.apply()

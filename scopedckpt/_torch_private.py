@@ -35,9 +35,14 @@ running torch's own checkpoint (``tests/test_torch_private.py``):
   whether torch is tracing.
 * **saved-tensor hooks**: the memory report reads the innermost pair through
   ``torch._C._autograd._top_saved_tensors_default_hooks``.
-* **module internals**: the buffer guard swaps entries of
+* **module and tensor internals**: the buffer guard swaps entries of
   ``nn.Module._buffers``, the registry ``register_buffer`` fills, because
-  ``setattr`` would run ``__setattr__`` logic and hooks on every swap.
+  ``setattr`` would run ``__setattr__`` logic and hooks on every swap. Scoped
+  layers subclass ``_DropoutNd`` and ``_BatchNorm`` and call
+  ``_check_input_dim``; ``convert`` recognises ``_NormBase``. Selective saving
+  reads version counters (``Tensor._version``), the memory report a view's
+  ``_base``. ``tests/test_torch_private.py`` checks that no other module of
+  the package uses a private torch name.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import operator
 import re
 import threading
 from collections.abc import Callable, Generator, Iterator
@@ -60,12 +66,17 @@ from ._errors import ScopedCkptError
 __all__ = [
     "PATH",
     "SAC_IGNORED_OPS",
+    "BatchNormBase",
     "CheckpointPath",
+    "DropoutBase",
+    "NormBase",
     "OpOverload",
     "OpOverloadPacket",
     "TorchDispatchMode",
+    "base_of",
     "bound_arguments",
     "call_generator",
+    "check_input_dim",
     "check_torch",
     "checkpoint_debug_enabled",
     "compose",
@@ -76,6 +87,7 @@ __all__ = [
     "op_schema_facts",
     "top_saved_tensors_hooks",
     "tracing",
+    "version_of",
 ]
 
 # The oldest torch tested. torch 2.12 does not throw an exception raised in a
@@ -342,6 +354,23 @@ def detach_below_autograd(tensor: torch.Tensor) -> torch.Tensor:
 # Ops torch's own selective checkpointing never caches: torch's checkpoint issues
 # a different number of detaches in forward and recompute, and metadata queries.
 SAC_IGNORED_OPS: frozenset[Any] = frozenset(torch_checkpoint.SAC_IGNORED_OPS)
+
+
+# Tensor and module internals, as C-level getters where they sit on hot paths.
+version_of: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
+"""A tensor's version counter, bumped by every in-place change (selective saving)."""
+base_of: Callable[[torch.Tensor], torch.Tensor | None] = operator.attrgetter("_base")
+"""The tensor a view was made from, or None (the memory report's owner of a saved view)."""
+
+# torch's layer bases: scoped layers subclass them, convert() recognises their subclasses.
+DropoutBase = torch.nn.modules.dropout._DropoutNd
+BatchNormBase = torch.nn.modules.batchnorm._BatchNorm
+NormBase = torch.nn.modules.batchnorm._NormBase
+
+
+def check_input_dim(module: BatchNormBase, input: torch.Tensor) -> None:
+    """A batch norm's own input check (``_check_input_dim``), raising torch's error."""
+    module._check_input_dim(input)
 
 
 def module_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:

@@ -575,7 +575,7 @@ def test_large_masks_draw_their_bits_in_two_pieces(
 def test_the_scale_is_computed_on_the_cpu_whatever_the_default_device() -> None:
     """CUDA divides by a scalar as a multiply by its reciprocal (an ulp off for some p)."""
     expected = float(torch.ones((), device="cpu").div_(1 - 0.021))
-    _mask._SCALES.clear()
+    _mask._scale.cache_clear()
     with torch.device("meta"):
         scale = _mask.Mask(1, 0.021, (4,), torch.device("cpu"), False, True).scale(torch.float32)
     assert scale == expected

@@ -364,10 +364,26 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # Two dropout formulations (NOTE [ two formulations ] in _mask.py).
     Mutant(
+        "mask_band_retuned",
+        "scopedckpt/_mask.py",
+        "HASHED_FROM_ELEMENTS = 3 << 15  # 98,304",
+        "HASHED_FROM_ELEMENTS = 1 << 17",
+        ("tests/test_mask_stream.py",),
+        "a size band's constant is tuned: users' masks change with no new stream version",
+    ),
+    Mutant(
+        "scale_cache_unbounded",
+        "scopedckpt/_mask.py",
+        "@functools.lru_cache(maxsize=_CACHE_SIZE)  # computing it costs a kernel and a sync",
+        "@functools.lru_cache(maxsize=None)",
+        ("tests/test_mask_stream.py",),
+        "a dropout schedule grows the per-p scale cache without bound",
+    ),
+    Mutant(
         "native_dropout_rounds_its_scale",
         "scopedckpt/_mask.py",
-        'scale = _SCALES[key] = float(torch.ones((), dtype=dtype, device="cpu").div_(1.0 - self.p))',
-        "scale = _SCALES[key] = 1.0 / (1.0 - self.p)",
+        '    return float(torch.ones((), dtype=dtype, device="cpu").div_(1.0 - p))',
+        "    return 1.0 / (1.0 - p)",
         ("tests/test_layers.py",),
         "small dropouts scale kept elements by a rounded 1/(1-p): an ulp off torch's and the "
         "Function's for some p",
@@ -375,8 +391,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "scale_computed_on_the_default_device",
         "scopedckpt/_mask.py",
-        'torch.ones((), dtype=dtype, device="cpu").div_(1.0 - self.p)',
-        "torch.ones((), dtype=dtype).div_(1.0 - self.p)",
+        'torch.ones((), dtype=dtype, device="cpu").div_(1.0 - p)',
+        "torch.ones((), dtype=dtype).div_(1.0 - p)",
         ("tests/test_layers.py",),
         "the scale is divided on the default device: on CUDA, a multiply by the reciprocal",
     ),
@@ -470,7 +486,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "kept_output_changed_in_place_still_served",
         "scopedckpt/_selective.py",
-        "        if any(t._version != version for t, version in entry.versions):",
+        "        if any(version_of(t) != version for t, version in entry.versions):",
         "        if False:",
         ("tests/test_selective.py",),
         "an output changed in place after it was kept is served with its new values",
