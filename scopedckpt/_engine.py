@@ -2,36 +2,94 @@
 
 A region is ``torch.utils.checkpoint.checkpoint(use_reentrant=False,
 context_fn=...)`` whose forward context records the region's tape and whose
-recompute context replays it (see NOTE [ tape ] in ``_state.py``): scoped
-layers' records, the default generators' states (NOTE [ RNG replay ] in
-``_rng.py``) and the buffers of modules called in it (NOTE [ buffer guard ] in
-``_guard.py``).
+recompute context replays it (see NOTE [ tape ] in ``_state.py``).
+
+NOTE [ region mechanisms ]
+==========================
+Everything a region does besides running its function is a *mechanism*: one
+private module implementing :class:`Mechanism`, listed once in
+:data:`MECHANISMS`. The engine knows none of them by name:
+
+* ``start_region(tape, call)`` runs once, when the region starts, and puts the
+  mechanism's state on the tape (a field of :class:`Tape` the mechanism owns);
+* ``enter_frame(frame)`` runs at every entry of the region (its first
+  forward, and each recompute, on any thread) and returns what undoes it, an
+  ``__exit__``-like callable, or None when it has nothing to do there.
+
+:class:`_EnterFrame` enters them in the order listed and undoes them in
+reverse, each undo run even when another raised, and undoes what it entered
+when an entry raises: no token, hook or mode outlives a frame.
+
+==============  ==========================  ====================================
+mechanism       tape                        frame
+==============  ==========================  ====================================
+``_strict``     nothing                     first forward under the detector
+``_rng``        generators' states          recomputes start from them
+``_guard``      module states, per call     module calls guarded
+``_report``     a memory_report row         saved tensors counted, time taken
+``_selective``  kept op outputs             recorded, or served
+==============  ==========================  ====================================
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
-import itertools
 import weakref
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from . import _guard, _report, _rng, _selective, _strict, _torch_private
-from ._errors import ScopedCkptError
 from ._policy import SavePolicy, as_policy
-from ._state import FRAME, SCOPE, Frame, Phase, Record, Scope, Tape, describe, module_path
+from ._state import (
+    FRAME,
+    SCOPE,
+    Frame,
+    Phase,
+    Record,
+    RegionCall,
+    Scope,
+    Tape,
+)
 
-__all__ = ["region_context_fn"]
+__all__ = ["MECHANISMS", "Mechanism", "region_context_fn", "register_mechanism"]
 
 R = TypeVar("R")
 ContextFn = _torch_private.ContextFn
+Undo = Callable[..., Any]  # called as __exit__ is: (exc_type, exc, traceback)
 
 _REGION = "region"
+
+
+class Mechanism(Protocol):
+    """What each region mechanism module provides (NOTE [ region mechanisms ])."""
+
+    def start_region(self, tape: Tape, call: RegionCall) -> None:
+        """A region starts: put this mechanism's state on its tape."""
+
+    def enter_frame(self, frame: Frame) -> Undo | None:
+        """A frame of the region is entered: start, and return what undoes it, if anything."""
+
+
+def _registered(*mechanisms: Mechanism) -> tuple[Mechanism, ...]:
+    return mechanisms  # each module is checked against the protocol here (mypy)
+
+
+# Entered in this order, undone in reverse. A new mechanism: a module and a name here
+# (or, for an integration, a register_mechanism call in its package).
+MECHANISMS = _registered(_strict, _rng, _guard, _report, _selective)
+
+
+def register_mechanism(mechanism: Mechanism, *, first: bool = False) -> None:
+    """Add a mechanism from outside the engine (integrations); once. ``first``: it starts
+    before the others, so that a check raising there leaves no state behind."""
+    global MECHANISMS
+    if mechanism not in MECHANISMS:
+        MECHANISMS = (mechanism, *MECHANISMS) if first else (*MECHANISMS, mechanism)
 
 
 class _Counters:
@@ -44,17 +102,26 @@ class _Counters:
 COUNTERS = _Counters()
 
 
+def _undo(undos: list[Undo], exc: tuple[Any, Any, Any]) -> None:
+    """Run every undo, last first; re-raise the first error once all have run."""
+    error: BaseException | None = None
+    for undo in reversed(undos):
+        try:
+            undo(*exc)
+        except BaseException as raised:
+            error = error or raised
+    if error is not None:
+        raise error
+
+
 class _EnterFrame:
-    """Set the scope and a fresh frame on every entry; re-enterable.
+    """Set the scope and a fresh frame on every entry, and enter the mechanisms;
+    re-enterable.
 
     torch calls ``context_fn`` once per forward but enters the recompute
     context at every recompute (``retain_graph=True``, ``autograd.grad`` then
     ``backward``), possibly on another thread, so each ``__enter__`` pushes its
     own tokens and builds its own frame (cursor 0) on the shared tape.
-
-    ``rewind``: a backward recompute puts the generators' states it found back
-    on exit; a nested region replayed inside its parent's recompute does not,
-    since the parent's later draws continue from it (NOTE [ RNG replay ]).
     """
 
     def __init__(
@@ -66,52 +133,28 @@ class _EnterFrame:
         self._owner = owner
         self._rewind = rewind
         self._entries: list[
-            tuple[
-                contextvars.Token[Scope | None],
-                contextvars.Token[Frame | None],
-                Frame,
-                Any,
-                _rng.RngStash | None,
-                Any,
-            ]
+            tuple[contextvars.Token[Scope | None], contextvars.Token[Frame | None], list[Undo]]
         ] = []
-        self._measures: list[Any] = []  # memory report: a hook (forward) or a start time
 
     def __enter__(self) -> None:
-        strict_mode = None
-        saved_rng = None
-        if self._phase is Phase.FORWARD and self._scope.strict:
-            strict_mode = _strict.unscoped_random_detector()
-            strict_mode.__enter__()
         if self._phase is Phase.RECOMPUTE:
             COUNTERS.recomputes += 1
-            if self._tape.rng is not None:
-                saved_rng = self._tape.rng.current() if self._rewind else None
-                self._tape.rng.apply()
-        frame = Frame(self._phase, self._tape, self._scope, self._owner)
-        _guard.begin(frame)
-        selective: _selective.SavingMode | _selective.ServingMode | None = None
-        saved = self._tape.saved
-        if saved is not None:  # NOTE [ selective saving ] in _selective.py
-            if self._phase is Phase.FORWARD:
-                selective = _selective.SavingMode(saved, frame)
-                if saved.policy.selects_modules:
-                    frame.selective = selective
-            else:
-                selective = _selective.ServingMode(saved, frame)
-        self._entries.append(
-            (SCOPE.set(self._scope), FRAME.set(frame), frame, strict_mode, saved_rng, selective)
-        )
-        if selective is not None:
-            selective.__enter__()
-        stats = self._tape.stats
-        if stats is not None:  # NOTE [ memory report ] in _report.py
-            if self._phase is Phase.FORWARD:
-                counting = _report.counting_saved_tensors(stats)
-                counting.__enter__()
-                self._measures.append(counting)
-            else:
-                self._measures.append(_report.now())
+        frame = Frame(self._phase, self._tape, self._scope, self._owner, self._rewind)
+        scope_token, frame_token = SCOPE.set(self._scope), FRAME.set(frame)
+        undos: list[Undo] = []
+        try:
+            for mechanism in MECHANISMS:
+                undo = mechanism.enter_frame(frame)
+                if undo is not None:
+                    undos.append(undo)
+        except BaseException as error:
+            try:
+                _undo(undos, (type(error), error, error.__traceback__))
+            finally:
+                FRAME.reset(frame_token)
+                SCOPE.reset(scope_token)
+            raise
+        self._entries.append((scope_token, frame_token, undos))
 
     def __exit__(
         self,
@@ -119,67 +162,12 @@ class _EnterFrame:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        scope_token, frame_token, frame, strict_mode, saved_rng, selective = self._entries.pop()
-        if selective is not None:
-            selective.__exit__(exc_type, exc, tb)
-        stats = self._tape.stats
-        if stats is not None:
-            measure = self._measures.pop()
-            if self._phase is Phase.FORWARD:
-                measure.__exit__(exc_type, exc, tb)
-                _report.finish_forward(stats, self._tape)
-            else:
-                _report.recomputed(stats, _report.now() - measure)
+        scope_token, frame_token, undos = self._entries.pop()
         try:
-            _guard.end(frame)
+            _undo(undos, (exc_type, exc, tb))
         finally:
             FRAME.reset(frame_token)
             SCOPE.reset(scope_token)
-            if saved_rng is not None:
-                saved_rng.apply()
-            if strict_mode is not None:
-                strict_mode.__exit__(exc_type, exc, tb)
-
-
-def _check_no_cache(
-    owner: object | None,
-    label: object,
-    scope: Scope,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> None:
-    """Refuse a Hugging Face key/value cache: every recompute would append to it again.
-
-    Layers declaring ``_can_checkpoint_with_cache = True`` only read the cache
-    (Hugging Face keeps it for them under its own checkpointing): allowed.
-    """
-    # Runs at every region entry: plain loops, the layer's opt-out looked up (a
-    # failing nn.Module attribute lookup costs microseconds) and names formatted
-    # only when a cache is there.
-    named = itertools.chain(enumerate(args), kwargs.items())
-    for key, value in named:
-        kind = type(value)
-        if kind.__name__.endswith("Cache") and kind.__module__.startswith("transformers."):
-            layer = owner if owner is not None else label
-            if getattr(layer, "_can_checkpoint_with_cache", False) is True:
-                return
-            if isinstance(key, int):
-                name = f"positional argument #{key}"
-            else:
-                name = f"keyword argument {key!r}"
-            if owner is None:
-                where = describe(label)
-            else:
-                where = f"the forward of {module_path(owner, None, scope)}"
-            raise ScopedCkptError(
-                f"scopedckpt: a checkpoint region ({where}) got a Hugging Face "
-                f"{kind.__name__} as {name}. The recompute in backward would "
-                "append this step's keys and values to the cache a second time, and the "
-                "region would see a longer cache than its first forward. Pass "
-                "use_cache=False while training with checkpointing (Hugging Face's own "
-                "gradient checkpointing does the same), or use "
-                "scopedckpt.integrations.huggingface.gradient_checkpointing_enable(model)."
-            )
 
 
 def region_context_fn(
@@ -201,7 +189,6 @@ def region_context_fn(
     ``save`` overrides the scope's policy (NOTE [ selective saving ]).
     """
     parent = FRAME.get()
-    _check_no_cache(owner, label, scope, args, kwargs)
     # A function is no identity: lambdas and bound methods are new objects at
     # every call, so only module-owned regions check their owner on replay.
     owner_id = None if owner is None else id(owner)
@@ -211,11 +198,10 @@ def region_context_fn(
         tape = parent.take(_REGION, owner_id, label).value
         forward = _EnterFrame(Phase.RECOMPUTE, tape, scope, owner, rewind=False)
     else:
-        tape = Tape(rng=_rng.stash() if preserve_rng_state else None)
-        policy = save if save is not None else scope.save
-        if policy is not None:
-            tape.saved = _selective.Saved(policy, policy.matched_modules(owner, label), label)
-        tape.stats = _report.start(owner, label, scope.root, args, kwargs)
+        tape = Tape()
+        call = RegionCall(owner, label, scope, args, kwargs, preserve_rng_state, save)
+        for mechanism in MECHANISMS:
+            mechanism.start_region(tape, call)
         if parent is not None:
             parent.tape.records.append(Record(_REGION, owner_id, label, tape))
         forward = _EnterFrame(Phase.FORWARD, tape, scope, owner, rewind=False)

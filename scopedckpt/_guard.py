@@ -13,8 +13,8 @@ as the first forward did:
   any thread (reference-counted by frame entries; it returns at once in
   contexts without a frame, and traces to nothing in compiled code that runs
   in no eager frame). A global hook sends every module call down
-  ``nn.Module``'s slow path (2.5 us more per call of an empty module, hook
-  included, measured), so a recompute does without one: its tape says which
+  ``nn.Module``'s slow path (its cost per call: docs/benchmarks.md), so a
+  recompute does without one: its tape says which
   modules need guarding, and it hooks only those, while it runs (usually
   none: converted models keep no module state on the tape). Strict mode and
   selective saving, which must see every call, keep global hooks (a forward
@@ -70,10 +70,20 @@ from torch.utils.hooks import RemovableHandle
 
 from ._errors import ScopedCkptError
 from ._selective import internal
-from ._state import FRAME, MIRROR, Frame, Phase, module_path
+from ._state import FRAME, MIRROR, Frame, Phase, RegionCall, Tape, module_path
 from ._torch_private import module_buffers
 
-__all__ = ["ModuleState", "Stateful", "begin", "end", "guarded_call", "unwind"]
+__all__ = [
+    "GuardEntry",
+    "ModuleState",
+    "Stateful",
+    "begin",
+    "end",
+    "enter_frame",
+    "guarded_call",
+    "start_region",
+    "unwind",
+]
 
 
 @runtime_checkable
@@ -124,7 +134,7 @@ class ModuleState:
 
 
 @dataclass
-class _Entry:
+class GuardEntry:
     """A guarded call running now (on the frame's stack)."""
 
     module: nn.Module
@@ -211,7 +221,7 @@ def enter(frame: Frame, module: nn.Module) -> int:
         state = _snapshot(module) if stateful else _NONE
         frame.tape.states[(id(module), index)] = ModuleState(module, saved, state)
         if frame.scope.strict:  # checked after the call (exit_)
-            frame.guards.append(_Entry(module, index, saved, state))
+            frame.guards.append(GuardEntry(module, index, saved, state))
         return index
     record: ModuleState | None = frame.tape.states.get((id(module), index))
     if record is None:
@@ -230,7 +240,7 @@ def enter(frame: Frame, module: nn.Module) -> int:
     if record.state is not _NONE:
         current = _snapshot(module)
         _restore(module, record.state)
-    frame.guards.append(_Entry(module, index, swapped, current))
+    frame.guards.append(GuardEntry(module, index, swapped, current))
     return index
 
 
@@ -270,7 +280,7 @@ def exit_(frame: Frame, module: nn.Module) -> None:
     _put_back(frame.guards.pop())
 
 
-def _refuse_changes(frame: Frame, module: nn.Module, entry: _Entry) -> None:
+def _refuse_changes(frame: Frame, module: nn.Module, entry: GuardEntry) -> None:
     """Strict mode: a module changing its buffers in a region is not on the fast path."""
     buffers = module_buffers(module)
     changed = [name for name, copy in entry.saved if not _same(buffers.get(name), copy)]
@@ -284,7 +294,7 @@ def _refuse_changes(frame: Frame, module: nn.Module, entry: _Entry) -> None:
         )
 
 
-def _put_back(entry: _Entry) -> None:
+def _put_back(entry: GuardEntry) -> None:
     for name, real in entry.saved:
         module_buffers(entry.module)[name] = real
     if entry.state is not _NONE:
@@ -319,8 +329,8 @@ def _pre_hook(module: nn.Module, args: Any) -> None:
     if frame is None or frame.hooks is not None:
         return
     # _guarded() and _count() written out: this runs at every module call of a
-    # first forward (0.51 us a call of a Linear against 0.76, timeit). Keep it
-    # so: calling the two helpers instead made
+    # first forward, and two calls fewer is the cheaper path. Keep it so:
+    # calling the two helpers instead made
     # test_compiled_code_inside_an_eager_region_takes_the_eager_path update an
     # unconverted batch norm twice when run after the other compile tests
     # (dynamo traces this hook inside eager regions; why is not understood).
@@ -379,6 +389,20 @@ def begin(frame: Frame) -> None:
     _install("pre", nn.modules.module.register_module_forward_pre_hook, _pre_hook)
     if every_call:
         _install("post", _register_post_hook, _post_hook)
+
+
+def start_region(tape: Tape, call: RegionCall) -> None:
+    """The guard fills the tape's states as the first forward calls modules."""
+
+
+def enter_frame(frame: Frame) -> Callable[..., None]:
+    """Guard the frame's module calls; returns what stops guarding them."""
+    begin(frame)
+
+    def stop(*exc: object) -> None:
+        end(frame)
+
+    return stop
 
 
 def end(frame: Frame) -> None:

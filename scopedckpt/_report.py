@@ -34,16 +34,17 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ._state import Frame, Phase, RegionCall, Tape
 from ._torch_private import base_of, module_buffers, top_saved_tensors_hooks
 
-__all__ = ["MemoryReport", "RegionStats", "memory_report"]
+__all__ = ["MemoryReport", "RegionStats", "enter_frame", "memory_report", "start_region"]
 
 _LOCK = threading.Lock()
 _ACTIVE: list[MemoryReport] = []
@@ -320,7 +321,7 @@ class counting_saved_tensors:  # noqa: N801 - used like torch's saved_tensors_ho
             self._hooks = None
 
 
-def finish_forward(stats: RegionStats, tape: Any) -> None:
+def finish_forward(stats: RegionStats, tape: Tape) -> None:
     """The first forward ended: add what the tape keeps."""
     stats.records = len(tape.records)
     if tape.rng is not None:
@@ -346,3 +347,30 @@ def recomputed(stats: RegionStats, seconds: float) -> None:
 
 
 now = time.perf_counter
+
+
+def start_region(tape: Tape, call: RegionCall) -> None:
+    """A region starts: its row, if a report is open."""
+    tape.stats = start(call.owner, call.label, call.scope.root, call.args, call.kwargs)
+
+
+def enter_frame(frame: Frame) -> Callable[..., None] | None:
+    """Count what a first forward saves, time a recompute; returns what records it."""
+    stats = frame.tape.stats
+    if stats is None:
+        return None
+    if frame.phase is Phase.FORWARD:
+        counting = counting_saved_tensors(stats)
+        counting.__enter__()
+
+        def finish(*exc: object) -> None:
+            counting.__exit__(*exc)
+            finish_forward(stats, frame.tape)
+
+        return finish
+    began = now()
+
+    def timed(*exc: object) -> None:
+        recomputed(stats, now() - began)
+
+    return timed

@@ -12,8 +12,8 @@ forward started from:
   default CPU generator and of the default generator of every initialised
   accelerator device (CUDA, XPU, ...: ``torch.accelerator``), onto the tape.
 * Every backward recompute sets those states, runs, and puts back the states
-  it found (``_EnterFrame`` in ``_engine.py``), so the global streams after ``backward()`` are
-  those after the forward: the same as without checkpointing.
+  it found (:func:`enter_frame`), so the global streams after ``backward()``
+  are those after the forward: the same as without checkpointing.
 * Scoped layers stay aligned with that stream (see NOTE [ aligned draws ] in
   ``functional.py``): a scoped dropout drawing its seed from the default
   generator in the forward draws it again in the recompute and checks that it
@@ -42,7 +42,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["RngStash", "stash"]
+from ._state import Frame, Phase, RegionCall, Tape
+
+__all__ = ["RngStash", "enter_frame", "start_region", "stash"]
 
 Access = tuple[Callable[[], Tensor], Callable[[Tensor], None]]
 
@@ -123,3 +125,25 @@ def stash() -> RngStash:
     """Copy the states of the default CPU and accelerator generators."""
     devices = tuple((access, access[0]()) for access in DEVICE_GENERATORS())
     return RngStash(torch.default_generator.get_state(), devices)
+
+
+def start_region(tape: Tape, call: RegionCall) -> None:
+    """Stash the generators when the region starts, if it replays them."""
+    if call.preserve_rng_state:
+        tape.rng = stash()
+
+
+def enter_frame(frame: Frame) -> Callable[..., None] | None:
+    """A recompute starts from the stash; returns what puts the states it found back."""
+    stashed = frame.tape.rng
+    if stashed is None or frame.phase is not Phase.RECOMPUTE:
+        return None
+    found = stashed.current() if frame.rewind else None
+    stashed.apply()
+    if found is None:
+        return None
+
+    def put_back(*exc: object) -> None:
+        found.apply()
+
+    return put_back

@@ -56,6 +56,7 @@ region's aten ops, with the differences exactness needs:
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +64,7 @@ from torch import Tensor, nn
 
 from ._errors import ScopedCkptError
 from ._policy import SavePolicy
-from ._state import FRAME, Frame, describe
+from ._state import FRAME, Frame, Phase, RegionCall, Tape, describe
 from ._strict import draws_random_numbers
 from ._torch_private import (
     SAC_IGNORED_OPS,
@@ -73,7 +74,7 @@ from ._torch_private import (
     version_of,
 )
 
-__all__ = ["Saved", "SavingMode", "ServingMode", "internal"]
+__all__ = ["Saved", "SavingMode", "ServingMode", "enter_frame", "internal", "start_region"]
 
 
 class _Internal(threading.local):
@@ -293,3 +294,27 @@ class ServingMode(_RegionMode):
 
 def _shapes(signature: tuple[Any, ...]) -> str:
     return "(" + ", ".join(f"{tuple(shape)} {dtype}" for shape, dtype in signature) + ")"
+
+
+def start_region(tape: Tape, call: RegionCall) -> None:
+    """A region with a policy (its own ``save=`` or its scope's) keeps a record."""
+    policy = call.save if call.save is not None else call.scope.save
+    if policy is not None:
+        tape.saved = Saved(policy, policy.matched_modules(call.owner, call.label), call.label)
+
+
+def enter_frame(frame: Frame) -> Callable[..., Any] | None:
+    """Record (first forward) or serve (recompute) under the region's policy; returns
+    the mode's exit."""
+    saved = frame.tape.saved
+    if saved is None:
+        return None
+    mode: SavingMode | ServingMode
+    if frame.phase is Phase.FORWARD:
+        mode = SavingMode(saved, frame)
+        if saved.policy.selects_modules:
+            frame.selective = mode  # the guard's hooks tell it module calls
+    else:
+        mode = ServingMode(saved, frame)
+    mode.__enter__()
+    return mode.__exit__

@@ -39,9 +39,18 @@ import enum
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._errors import ScopedCkptError
+
+if TYPE_CHECKING:  # the mechanisms' own types; they import this module
+    from torch.utils.hooks import RemovableHandle
+
+    from ._guard import GuardEntry, ModuleState
+    from ._policy import SavePolicy
+    from ._report import RegionStats
+    from ._rng import RngStash
+    from ._selective import Saved, SavingMode
 
 __all__ = ["Phase", "is_recomputing", "phase", "replay"]
 
@@ -103,31 +112,54 @@ class Record:
     value: Any
 
 
+@dataclass(slots=True)
+class RegionCall:
+    """One region as it starts: what its mechanisms read to fill its tape."""
+
+    owner: object | None  # the module whose forward the region is, if any
+    label: object  # the layer or function named in errors and reports
+    scope: Scope
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    preserve_rng_state: bool
+    save: SavePolicy | None  # overrides the scope's policy
+
+
 @dataclass
 class Tape:
-    """The records of one region, in call order, and what its recomputes restore."""
+    """The records of one region, in call order, and what its recomputes restore.
+
+    Each field past ``records`` belongs to one mechanism (NOTE [ region
+    mechanisms ] in ``_engine.py``), which fills it when the region starts.
+    """
 
     records: list[Record] = field(default_factory=list)
-    rng: Any = None  # _rng.RngStash, or None when the region does not replay the RNG
-    states: dict[tuple[int, int], Any] = field(default_factory=dict)  # _guard.ModuleState
-    stats: Any = None  # _report.RegionStats while a memory_report() block measures it
-    saved: Any = None  # _selective.Saved when the region has a save= policy
+    rng: RngStash | None = None  # _rng: None when the region does not replay the RNG
+    states: dict[tuple[int, int], ModuleState] = field(default_factory=dict)  # _guard
+    stats: RegionStats | None = None  # _report: while a memory_report() block measures it
+    saved: Saved | None = None  # _selective: when the region has a save= policy
 
 
 @dataclass
 class Frame:
-    """One entry into a region: its phase, tape, replay cursor and owner."""
+    """One entry into a region: its phase, tape, replay cursor and owner.
+
+    ``rewind``: a backward recompute puts the generators' states it found back
+    on exit; a nested region replayed inside its parent's recompute does not,
+    since the parent's later draws continue from it (NOTE [ RNG replay ]).
+    """
 
     phase: Phase
     tape: Tape
     scope: Scope
     owner: object | None = None  # the module whose forward this region is
+    rewind: bool = False
     cursor: int = 0
     calls: dict[int, int] = field(default_factory=dict)  # guarded module id -> calls so far
-    guards: list[Any] = field(default_factory=list)  # _guard entries of modules running now
-    selective: Any = None  # _selective.SavingMode tracking module calls (module policies)
+    guards: list[GuardEntry] = field(default_factory=list)  # _guard: modules running now
+    selective: SavingMode | None = None  # _selective: tracks module calls (module policies)
     modules: list[tuple[int, int]] = field(default_factory=list)  # (id, call index) running now
-    hooks: list[Any] | None = None  # the module hooks guarding a recompute; None: global ones
+    hooks: list[RemovableHandle] | None = None  # _guard: a recompute's own; None: global ones
 
     def take(self, kind: str, owner_id: int | None, label: object) -> Record:
         """Return the next record in ``RECOMPUTE``, checking it belongs to the owner."""

@@ -13,14 +13,22 @@ nothing.
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ._errors import ScopedCkptError
+from ._state import Frame, Phase, RegionCall, Tape
 from ._torch_private import TorchDispatchMode, bound_arguments
 
-__all__ = ["draws_random_numbers", "scoped_draws", "unscoped_random_detector"]
+__all__ = [
+    "draws_random_numbers",
+    "enter_frame",
+    "scoped_draws",
+    "start_region",
+    "unscoped_random_detector",
+]
 
 
 _SCOPED_DRAW: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -107,3 +115,16 @@ class _UnscopedRandomDetector(TorchDispatchMode):
 def unscoped_random_detector() -> TorchDispatchMode:
     """A fresh dispatch mode that raises on unscoped random ops."""
     return _UnscopedRandomDetector()
+
+
+def start_region(tape: Tape, call: RegionCall) -> None:
+    """Strict mode keeps nothing on the tape."""
+
+
+def enter_frame(frame: Frame) -> Callable[..., Any] | None:
+    """A strict scope's first forward runs under the detector; returns its exit."""
+    if frame.phase is not Phase.FORWARD or not frame.scope.strict:
+        return None
+    detector = _UnscopedRandomDetector()
+    detector.__enter__()
+    return detector.__exit__

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -235,12 +236,8 @@ def test_nested_regions_are_exact(name: str) -> None:
 
 
 def test_retain_graph_is_exact() -> None:
-    """Two backward passes replay the region twice.
-
-    (Measured, torch 2.13: with attention dropout *and* feed-forward dropout in
-    two compiled regions, torch's own compiled checkpoint draws other masks in the
-    second backward; see test_torch_compiled_checkpoint_second_backward below.)
-    """
+    """Two backward passes replay the region twice (see
+    test_compiled_regions_are_torchs_compiled_checkpoint_in_a_second_backward)."""
     model, x = _build("mlp")
     with torch._functorch.config.patch(donated_buffer=False):  # needed by retain_graph
         plain, _ = _train(model, x, "none", steps=2, retain_graph=True)
@@ -248,39 +245,97 @@ def test_retain_graph_is_exact() -> None:
     _assert_equal(regions, plain)
 
 
-@pytest.mark.xfail(strict=False, reason="torch 2.13 inductor: second backward redraws masks")
-def test_torch_compiled_checkpoint_second_backward() -> None:
-    """Kept to notice when torch fixes it: then compiled regions are exact here too.
+def _grad_twice(
+    model: Stack, x: torch.Tensor, regions: str
+) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """``autograd.grad`` twice through one compiled function (inductor, fullgraph) running
+    the blocks as ``regions`` (``"torch"``: torch's own checkpoint around each block;
+    ``"scopedckpt"``: plain calls under ``checkpointing(blocks)``), and how many checkpoint
+    ops were in the graph dynamo handed inductor."""
+    from torch._inductor.compile_fx import compile_fx  # at import: torch.jit deprecations
 
-    Only with more than one intra-op thread (the suite runs with one), and not
-    on every machine: it failed on every run on one 2-core machine and passed
-    on every run on another, so it does not decide CI (not strict).
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        _second_backward_differs()
-    finally:
-        torch.set_num_threads(threads)
+    tagged: list[str] = []
 
+    def inductor(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
+        tagged.extend(str(n.target) for n in gm.graph.nodes if "activation_checkpoint" in n.name)
+        return compile_fx(gm, example_inputs)
 
-def _second_backward_differs() -> None:
-    torch.manual_seed(0)
-    layers = nn.ModuleList(
-        [nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True) for _ in range(2)]
-    )
+    model = copy.deepcopy(model)
 
-    def run(x: torch.Tensor) -> torch.Tensor:
-        for layer in layers:
-            x = torch_checkpoint.checkpoint(layer, x, use_reentrant=False)
-        return x
+    def run(h: torch.Tensor) -> torch.Tensor:
+        for block in model.blocks:
+            if regions == "torch":
+                h = torch_checkpoint.checkpoint(block, h, use_reentrant=False)
+            else:
+                h = block(h)
+        return model.head(h).square().mean()
 
     torch._dynamo.reset()
-    with torch._functorch.config.patch(donated_buffer=False):
-        loss = torch.compile(run)(torch.randn(4, 10, 32)).square().mean()
-        first = torch.autograd.grad(loss, list(layers.parameters()), retain_graph=True)
-        second = torch.autograd.grad(loss, list(layers.parameters()))
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    parameters = list(model.parameters())
+    torch.manual_seed(7)
+    with torch._functorch.config.patch(donated_buffer=False):  # needed by retain_graph
+        scope = scopedckpt.checkpointing(model.blocks, enabled=regions == "scopedckpt")
+        with scope:
+            loss = torch.compile(run, backend=inductor, fullgraph=True)(x)
+        first = torch.autograd.grad(loss, parameters, retain_graph=True)
+        second = torch.autograd.grad(loss, parameters)
+    return list(first), list(second), len(tagged)
+
+
+def test_compiled_regions_are_torchs_compiled_checkpoint_in_a_second_backward() -> None:
+    """Transformer regions (attention and feed-forward dropout) recomputed twice by
+    ``autograd.grad`` give bitwise the gradients of torch's own compiled checkpoint, in
+    both backward passes: compiled regions are that operator (NOTE [ torch.compile ]).
+
+    Whether torch's second backward equals its first is torch's and the machine's
+    business, so this compares with torch instead of asserting it: measured with torch
+    2.13, it redraws dropout masks here on one intra-op thread and not on two; on another
+    machine on two threads and not on one (docs/distributed.md). The first backward is
+    that of the model compiled without regions
+    (test_scope_outside_the_compiled_call_is_exact_in_one_graph). To probe a machine, see
+    :func:`torch_second_backward_redraws` below.
+    """
+    model, x = _build("transformer")
+    torch_first, torch_second, torch_tagged = _grad_twice(model, x, "torch")
+    first, second, tagged = _grad_twice(model, x, "scopedckpt")
+    assert tagged == torch_tagged == len(model.blocks)  # one region per block, both times
+    _assert_equal(first, torch_first)
+    _assert_equal(second, torch_second)
+
+
+def torch_second_backward_redraws(threads: int = 2) -> bool:
+    """A probe of torch itself, kept out of the suite: whether torch's own compiled
+    checkpoint (no scopedckpt) gives other gradients in a second backward through a stack
+    of ``nn.TransformerEncoderLayer``s on ``threads`` intra-op threads.
+
+    Measured with torch 2.13 and 2 threads: True on every run on one 2-core machine, False
+    on every run on another (docs/distributed.md). Shapes matter too: on a third machine
+    this 32-wide stack gave False on one and two threads, while the 16-wide stack of the
+    test above redraws there on one thread. Run by hand::
+
+        python -c "from tests.test_compile import torch_second_backward_redraws as p; print(p())"
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        layers = nn.ModuleList(
+            [nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True) for _ in range(2)]
+        )
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            for layer in layers:
+                x = torch_checkpoint.checkpoint(layer, x, use_reentrant=False)
+            return x
+
+        torch._dynamo.reset()
+        with torch._functorch.config.patch(donated_buffer=False):
+            loss = torch.compile(run)(torch.randn(4, 10, 32)).square().mean()
+            first = torch.autograd.grad(loss, list(layers.parameters()), retain_graph=True)
+            second = torch.autograd.grad(loss, list(layers.parameters()))
+        return not all(torch.equal(a, b) for a, b in zip(first, second))
+    finally:
+        torch.set_num_threads(previous)
 
 
 class Breaking(nn.Module):

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -56,9 +54,15 @@ def _train(rank: int, checkpointed: bool, find_unused: bool) -> dict[str, object
     }
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _init(rank: int, out: str, name: str) -> None:
+    """Join the test's process group through a file store in its temporary folder: no TCP
+    port to pick (a port found free can be taken again before the store binds it)."""
+    store = Path(out) / f"{name}.store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+
+
+def _worker(rank: int, out: str) -> None:
+    _init(rank, out, "ddp")
     torch.set_num_threads(1)
     try:
         results = {
@@ -97,14 +101,8 @@ def _reference() -> dict[str, object]:
     return {"grads": grads, "params": [p.detach().clone() for p in model.parameters()]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_ddp_regions_are_exact_and_match_the_single_process_reference(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     reference = _reference()
     for unused in (False, True):
@@ -132,13 +130,18 @@ def _flatten(value: object) -> list[torch.Tensor]:
 
 
 def test_sync_batch_norm_still_refuses_cpu() -> None:
-    """docs/distributed.md says SyncBatchNorm cannot sync on CPU; fail when torch changes that."""
-    import inspect
+    """docs/distributed.md says SyncBatchNorm cannot sync on CPU; fail when torch changes that.
 
-    assert (
-        'raise ValueError(\n                    "SyncBatchNorm expected input tensor to be on GPU'
-        in inspect.getsource(nn.SyncBatchNorm.forward)
-    )
+    A one-process gloo group on an in-memory store: SyncBatchNorm syncs only inside a
+    process group, and refuses CPU input there."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="expected input tensor to be on GPU"):
+            nn.SyncBatchNorm(4).train()(torch.randn(3, 4))
+    finally:
+        dist.destroy_process_group()
 
 
 def _fsdp_train(rank: int, checkpointed: bool) -> list[torch.Tensor]:
@@ -163,9 +166,8 @@ def _fsdp_train(rank: int, checkpointed: bool) -> list[torch.Tensor]:
     return out
 
 
-def _fsdp_worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _fsdp_worker(rank: int, out: str) -> None:
+    _init(rank, out, "fsdp")
     torch.set_num_threads(1)
     try:
         results = {ckpt: _fsdp_train(rank, ckpt) for ckpt in (False, True)}
@@ -176,7 +178,7 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
 
 def test_fsdp2_fully_shard_regions_are_exact(tmp_path: Path) -> None:
     """FSDP2 runs on CPU with gloo in this torch: sharded grads, params, buffers match."""
-    mp.spawn(_fsdp_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_fsdp_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         results = torch.load(tmp_path / f"fsdp{rank}.pt", weights_only=False)
         assert len(results[True]) == len(results[False])

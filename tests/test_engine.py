@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,6 +22,16 @@ def _block() -> nn.Sequential:
     return nn.Sequential(
         nn.Linear(6, 6), scopedckpt.BatchNorm1d(6), nn.ReLU(), scopedckpt.Dropout(0.4)
     )
+
+
+@contextlib.contextmanager
+def _made(regions: int, recomputes: int) -> Iterator[None]:
+    """Assert the block starts ``regions`` regions and runs ``recomputes`` recomputes:
+    an exactness test whose checkpointed run made no region would compare plain with plain."""
+    before = COUNTERS.regions, COUNTERS.recomputes
+    yield
+    made = COUNTERS.regions - before[0], COUNTERS.recomputes - before[1]
+    assert made == (regions, recomputes), "(regions, recomputes) made"
 
 
 def test_phase_is_set_in_forward_and_in_recompute_after_the_block() -> None:
@@ -102,9 +114,12 @@ def test_nested_region_recomputes_inside_outer_recompute_without_checkpoint_erro
     ref_grad = x.grad.clone()
     x.grad = None
     torch.manual_seed(5)
-    with scopedckpt.checkpointing():
+    with _made(regions=2, recomputes=0), scopedckpt.checkpointing():
         loss = scopedckpt.checkpoint(body, x).square().sum()
-    loss.backward()
+    # The outer recompute makes the inner region again (a third region) and replays it
+    # inside itself; backward then recomputes that inner region too.
+    with _made(regions=1, recomputes=3):
+        loss.backward()
     assert torch.equal(loss, ref)
     assert torch.equal(x.grad, ref_grad)
     assert int(inner[1].num_batches_tracked) == int(outer[1].num_batches_tracked) == 1
@@ -116,11 +131,12 @@ def test_backward_on_another_thread_is_exact() -> None:
     torch.manual_seed(9)
     reference(x).square().sum().backward()
     torch.manual_seed(9)
-    with scopedckpt.checkpointing():
+    with _made(regions=1, recomputes=0), scopedckpt.checkpointing():
         loss = scopedckpt.checkpoint(block, x.requires_grad_()).square().sum()
     worker = threading.Thread(target=loss.backward)  # a fresh context: no scope there
-    worker.start()
-    worker.join()
+    with _made(regions=0, recomputes=1):  # the recompute ran on the worker
+        worker.start()
+        worker.join()
     for p, r in zip(block.parameters(), reference.parameters()):
         assert torch.equal(p.grad, r.grad)
     assert torch.equal(block[1].running_mean, reference[1].running_mean)
@@ -158,9 +174,10 @@ def test_exception_in_a_region_leaves_no_scope_and_the_next_step_is_exact() -> N
     torch.manual_seed(2)
     reference(x).sum().backward()
     torch.manual_seed(2)
-    with scopedckpt.checkpointing():
-        out = scopedckpt.checkpoint(block, x)
-    out.sum().backward()
+    with _made(regions=1, recomputes=1):
+        with scopedckpt.checkpointing():
+            out = scopedckpt.checkpoint(block, x)
+        out.sum().backward()
     for p, r in zip(block.parameters(), reference.parameters()):
         assert torch.equal(p.grad, r.grad)
 
@@ -232,9 +249,10 @@ def test_user_generator_drives_the_seeds_and_leaves_the_global_stream_alone() ->
         lin = nn.Linear(6, 6)
         x = torch.randn(4, 6, requires_grad=True)
         state = torch.get_rng_state()
-        with scopedckpt.checkpointing(enabled=checkpointed):
-            out = scopedckpt.checkpoint(lambda t: drop(lin(t)), x)
-        out.square().sum().backward()
+        with _made(regions=int(checkpointed), recomputes=int(checkpointed)):
+            with scopedckpt.checkpointing(enabled=checkpointed):
+                out = scopedckpt.checkpoint(lambda t: drop(lin(t)), x)
+            out.square().sum().backward()
         assert torch.equal(torch.get_rng_state(), state)
         return out, x.grad, lin.weight.grad
 
@@ -262,9 +280,10 @@ def test_strict_mode_names_unscoped_random_ops() -> None:
 
 def test_strict_mode_accepts_scoped_layers_and_is_off_by_default() -> None:
     x = torch.randn(4, 6, requires_grad=True)
-    with scopedckpt.checkpointing(strict=True):
+    # Both are regions, forward and recompute: strict mode had a region to check.
+    with _made(regions=1, recomputes=1), scopedckpt.checkpointing(strict=True):
         scopedckpt.checkpoint(_block(), x).sum().backward()
-    with scopedckpt.checkpointing():
+    with _made(regions=1, recomputes=1), scopedckpt.checkpointing():
         scopedckpt.checkpoint(nn.Dropout(0.5), x).sum().backward()  # not detected: off
 
 
@@ -277,9 +296,10 @@ def test_preserve_rng_state_opt_in_makes_unscoped_dropout_exact() -> None:
         m = copy.deepcopy(model)
         torch.manual_seed(1)
         xi = x.clone().requires_grad_()
-        with scopedckpt.checkpointing(enabled=checkpointed):
-            out = scopedckpt.checkpoint(m, xi, preserve_rng_state=True)
-        out.square().sum().backward()
+        with _made(regions=int(checkpointed), recomputes=int(checkpointed)):
+            with scopedckpt.checkpointing(enabled=checkpointed):
+                out = scopedckpt.checkpoint(m, xi, preserve_rng_state=True)
+            out.square().sum().backward()
         return xi.grad
 
     assert torch.equal(grad(True), grad(False))
@@ -331,7 +351,7 @@ def test_layers_that_only_read_the_cache_may_take_it() -> None:
         _can_checkpoint_with_cache = True
 
     layer = Reader()
-    with scopedckpt.checkpointing(layer):
+    with _made(regions=1, recomputes=1), scopedckpt.checkpointing(layer):
         layer(torch.randn(2, 6, requires_grad=True), cache=DynamicCache()).sum().backward()
 
 

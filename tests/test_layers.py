@@ -17,6 +17,7 @@ from torch import nn
 import scopedckpt
 from scopedckpt import _mask, _torch_private
 from scopedckpt import functional as SF
+from scopedckpt._engine import COUNTERS
 
 DROPOUTS = [
     (scopedckpt.Dropout, nn.Dropout, (64, 32)),
@@ -121,11 +122,19 @@ def test_inplace_dropout_in_a_region_is_exact() -> None:
 
 
 def test_empty_batch_passes_through() -> None:
+    """No mask for no elements: the input comes back and no seed is drawn, in a region too."""
     x = torch.empty(0, 4)
-    assert scopedckpt.Dropout(0.5)(x).shape == (0, 4)
+    state = torch.get_rng_state()
+    assert scopedckpt.Dropout(0.5)(x) is x
+    x.requires_grad_()
+    regions = COUNTERS.regions
     with scopedckpt.checkpointing():
-        out = scopedckpt.checkpoint(scopedckpt.Dropout(0.5), x.requires_grad_())
+        out = scopedckpt.checkpoint(scopedckpt.Dropout(0.5), x)
+    assert COUNTERS.regions == regions + 1  # a region, not a plain call
     out.sum().backward()
+    assert out.shape == (0, 4) and torch.equal(out, x)
+    assert torch.equal(x.grad, torch.zeros(0, 4))
+    assert torch.equal(torch.get_rng_state(), state)  # nothing drawn, forward or backward
 
 
 @pytest.mark.parametrize(("scoped", "torch_cls", "shape"), BATCH_NORMS)
@@ -242,8 +251,11 @@ def test_functional_dropout_replays_in_regions() -> None:
         torch.manual_seed(0)
         lin.weight.grad = None
         xi = x.clone().requires_grad_()
+        before = COUNTERS.regions, COUNTERS.recomputes
         with scopedckpt.checkpointing(enabled=checkpointed):
             scopedckpt.checkpoint(body, xi).square().sum().backward()
+        made = COUNTERS.regions - before[0], COUNTERS.recomputes - before[1]
+        assert made == ((1, 1) if checkpointed else (0, 0))  # replayed, not run plainly
         return torch.cat([xi.grad.flatten(), lin.weight.grad.flatten()])
 
     assert torch.equal(run(True), run(False))
@@ -639,10 +651,13 @@ def _bn_grads(
         model(torch.randn(shape) * 3 + 1)
     model.train(first_train)
     x = torch.randn(shape, requires_grad=True)
+    before = COUNTERS.regions, COUNTERS.recomputes
     with scopedckpt.checkpointing(model, enabled=checkpointed):
         out = model(x)
     model.train(not first_train)  # switched between forward and backward
     (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+    made = COUNTERS.regions - before[0], COUNTERS.recomputes - before[1]
+    assert made == ((1, 1) if checkpointed else (0, 0))  # the recompute did run
     return [out, x.grad, *(p.grad for p in model.parameters()), *model.buffers()]
 
 

@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 import scopedckpt
-from scopedckpt import _report
+from scopedckpt import Phase, _report
+from scopedckpt._state import FRAME
+from scopedckpt._torch_private import top_saved_tensors_hooks
 
 
 def _model() -> nn.Sequential:
@@ -120,15 +122,56 @@ def test_function_regions_are_named_by_the_function_and_nested_regions_get_rows(
     assert rows["Sequential"]["recomputes"] >= 1
 
 
-def test_no_report_no_cost_and_nothing_left_behind() -> None:
+def test_no_report_no_cost_and_nothing_left_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A region started with no report open gets no stats (NOTE [ memory report ]): its
+    saved tensors go to torch's pack hook without our counting one, and neither its forward
+    nor its recompute, even one run while a report is open, calls the report's code."""
+    calls: list[str] = []
+
+    def spy(name: str) -> Callable[..., object]:
+        real = getattr(_report, name)
+
+        def call(*args: object) -> object:
+            calls.append(name)
+            return real(*args)
+
+        return call
+
+    for name in ("counting_saved_tensors", "finish_forward", "recomputed", "now"):
+        monkeypatch.setattr(_report, name, spy(name))  # what a measured region calls
+    seen: list[tuple[Phase, object, str]] = []
+
+    def body(t: torch.Tensor) -> torch.Tensor:
+        frame = FRAME.get()
+        hooks = top_saved_tensors_hooks()
+        assert frame is not None and hooks is not None
+        seen.append((frame.phase, frame.tape.stats, hooks[0].__name__))
+        return t.sin()
+
     x = torch.randn(4, 8, requires_grad=True)
     with scopedckpt.checkpointing():
-        y = scopedckpt.checkpoint(torch.sin, x)
+        y = scopedckpt.checkpoint(body, x)
     with scopedckpt.memory_report() as report:
-        pass
-    y.sum().backward()
+        y.sum().backward()  # a recompute under a report, of a region started without one
+    assert [(phase, stats) for phase, stats, _ in seen] == [
+        (Phase.FORWARD, None),
+        (Phase.RECOMPUTE, None),
+    ]
+    assert seen[0][2] != "counting_pack"  # torch's own pack hook, not wrapped
+    assert calls == []
     assert report.rows == []
     assert "no checkpoint region ran" in str(report)
+    assert not _report._ACTIVE
+    # What the probes see when a report is open at the region's start: they can tell.
+    seen.clear()
+    with scopedckpt.memory_report() as report:
+        with scopedckpt.checkpointing():
+            y = scopedckpt.checkpoint(body, x)
+        y.sum().backward()
+    assert [type(stats) for _, stats, _ in seen] == [_report.RegionStats] * 2
+    assert seen[0][2] == "counting_pack"
+    assert sorted(calls) == ["counting_saved_tensors", "finish_forward", "now", "now", "recomputed"]
+    assert [row["recomputes"] for row in report.rows] == [1]
     assert not _report._ACTIVE
 
 

@@ -11,6 +11,10 @@ Nothing here imports a third-party library at import time.
 
 from __future__ import annotations
 
+from .._engine import register_mechanism
 from .._patch import patch_torch_checkpoint
+from . import _hf_cache
 
 __all__ = ["patch_torch_checkpoint"]
+
+register_mechanism(_hf_cache, first=True)  # before any mechanism keeps state

@@ -149,9 +149,9 @@ MUTANTS: tuple[Mutant, ...] = (
     # The real-models mechanisms (NOTE [ RNG replay ], NOTE [ buffer guard ], the drop-in).
     Mutant(
         "rng_stash_not_applied",
-        "scopedckpt/_engine.py",
-        "                self._tape.rng.apply()",
-        "                pass",
+        "scopedckpt/_rng.py",
+        "    stashed.apply()",
+        "    pass",
         ("tests/test_rng.py", "tests/test_exactness.py"),
         "recomputes draw unscoped random numbers from wherever the stream is",
     ),
@@ -246,6 +246,31 @@ MUTANTS: tuple[Mutant, ...] = (
         "    return None",
         ("tests/test_dropin.py",),
         "torch's checkpoint inside patch_torch_checkpoint stays torch's (batch norm twice)",
+    ),
+    # The region mechanisms (NOTE [ region mechanisms ] in _engine.py).
+    Mutant(
+        "mechanism_entry_not_undone_on_error",
+        "scopedckpt/_engine.py",
+        "                _undo(undos, (type(error), error, error.__traceback__))",
+        "                pass",
+        ("tests/test_mechanisms.py",),
+        "a mechanism raising on entry leaves the ones entered before it active",
+    ),
+    Mutant(
+        "undo_stops_at_the_first_error",
+        "scopedckpt/_engine.py",
+        "        except BaseException as raised:\n            error = error or raised",
+        "        except BaseException:\n            raise",
+        ("tests/test_mechanisms.py",),
+        "an undo raising leaves the mechanisms entered before it active",
+    ),
+    Mutant(
+        "hf_cache_check_unregistered",
+        "scopedckpt/integrations/__init__.py",
+        "register_mechanism(_hf_cache, first=True)",
+        "pass",
+        ("tests/test_engine.py",),
+        "a Hugging Face cache in a region is appended to again by every recompute",
     ),
     # The torch-version layer (NOTE [ torch versions ] in _torch_private.py).
     Mutant(

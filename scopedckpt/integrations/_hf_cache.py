@@ -1,0 +1,56 @@
+"""Hugging Face key/value caches refused in regions: a region mechanism.
+
+Registered by :mod:`scopedckpt.integrations` (NOTE [ region mechanisms ] in
+``_engine.py``): when a region starts, a ``transformers`` cache among its
+arguments raises :class:`ScopedCkptError`, since every recompute would append
+this step's keys and values to it again. Layers declaring
+``_can_checkpoint_with_cache = True`` only read the cache (Hugging Face keeps
+it for them under its own checkpointing): allowed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from .._errors import ScopedCkptError
+from .._state import Frame, RegionCall, Tape, describe, module_path
+
+__all__ = ["enter_frame", "start_region"]
+
+
+def start_region(tape: Tape, call: RegionCall) -> None:
+    """Refuse a Hugging Face cache among the region's arguments."""
+    # Runs at every region start: plain loops, the layer's opt-out looked up (a
+    # failing nn.Module attribute lookup is slow) and names formatted only
+    # when a cache is there.
+    owner, label = call.owner, call.label
+    for key, value in itertools.chain(enumerate(call.args), call.kwargs.items()):
+        kind = type(value)
+        if kind.__name__.endswith("Cache") and kind.__module__.startswith("transformers."):
+            layer = owner if owner is not None else label
+            if getattr(layer, "_can_checkpoint_with_cache", False) is True:
+                return
+            if isinstance(key, int):
+                name = f"positional argument #{key}"
+            else:
+                name = f"keyword argument {key!r}"
+            if owner is None:
+                where = describe(label)
+            else:
+                where = f"the forward of {module_path(owner, None, call.scope)}"
+            raise ScopedCkptError(
+                f"scopedckpt: a checkpoint region ({where}) got a Hugging Face "
+                f"{kind.__name__} as {name}. The recompute in backward would "
+                "append this step's keys and values to the cache a second time, and the "
+                "region would see a longer cache than its first forward. Pass "
+                "use_cache=False while training with checkpointing (Hugging Face's own "
+                "gradient checkpointing does the same), or use "
+                "scopedckpt.integrations.huggingface.gradient_checkpointing_enable(model)."
+            )
+
+
+def enter_frame(frame: Frame) -> Callable[..., Any] | None:
+    """Nothing to do in a frame."""
+    return None

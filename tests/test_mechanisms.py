@@ -1,0 +1,135 @@
+"""The region mechanisms (NOTE [ region mechanisms ] in _engine.py): one protocol, entered
+in order, undone in reverse, and exception-safe at every step."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+import scopedckpt
+from scopedckpt import _engine, _guard
+from scopedckpt._state import FRAME, SCOPE, Frame, RegionCall, Tape
+
+
+class Recorder:
+    """A mechanism that logs its calls; raises where told."""
+
+    def __init__(self, name: str, log: list[str], fail: str | None = None) -> None:
+        self.name, self.log, self.fail = name, log, fail
+
+    def start_region(self, tape: Tape, call: RegionCall) -> None:
+        self.log.append(f"start {self.name}")
+
+    def enter_frame(self, frame: Frame) -> Callable[..., None] | None:
+        self.log.append(f"enter {self.name} {frame.phase.name}")
+        if self.fail == "enter":
+            raise KeyError(self.name)
+
+        def undo(*exc: object) -> None:
+            self.log.append(f"undo {self.name}")
+            if self.fail == "undo":
+                raise ValueError(self.name)
+
+        return undo
+
+
+@pytest.fixture
+def mechanisms(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., list[str]]]:
+    """Put recorders around the real mechanisms: before them and after them."""
+    log: list[str] = []
+
+    def install(first: str | None = None, last: str | None = None) -> list[str]:
+        before = Recorder("first", log, first)
+        after = Recorder("last", log, last)
+        monkeypatch.setattr(_engine, "MECHANISMS", (before, *_engine.MECHANISMS, after))
+        return log
+
+    yield install
+
+
+def _nothing_active() -> None:
+    assert SCOPE.get() is None and FRAME.get() is None
+    assert not _guard._HANDLES, "the guard's global hooks outlived the frame"
+    assert _get_current_dispatch_mode() is None, "a dispatch mode outlived the frame"
+
+
+def _strict_region() -> torch.Tensor:
+    """A region in which every core mechanism acts: strict mode, the RNG stash, the guard
+    (an eval-mode batch norm's buffers), the memory report and selective saving."""
+    block = nn.Sequential(
+        nn.Linear(4, 4), scopedckpt.BatchNorm1d(4), nn.BatchNorm1d(4).eval(), scopedckpt.Dropout(0.3)
+    )
+    with (
+        scopedckpt.memory_report(),
+        scopedckpt.checkpointing(strict=True, save=[torch.ops.aten.addmm]),
+    ):
+        return scopedckpt.checkpoint(block, torch.randn(3, 4, requires_grad=True))
+
+
+def test_every_mechanism_starts_and_enters_in_order_and_undoes_in_reverse(
+    mechanisms: Callable[..., list[str]],
+) -> None:
+    log = mechanisms()
+    _strict_region().sum().backward()
+    assert log == [
+        "start first",
+        "start last",
+        "enter first FORWARD",
+        "enter last FORWARD",
+        "undo last",
+        "undo first",
+        "enter first RECOMPUTE",
+        "enter last RECOMPUTE",
+        "undo last",
+        "undo first",
+    ]
+    _nothing_active()
+
+
+def test_a_mechanism_raising_on_entry_undoes_every_one_entered_before_it(
+    mechanisms: Callable[..., list[str]],
+) -> None:
+    """The real ones (guard hooks, selective saving's mode) sit between the recorders."""
+    log = mechanisms(last="enter")
+    with pytest.raises(KeyError, match="last"):
+        _strict_region()
+    assert log[-2:] == ["enter last FORWARD", "undo first"]
+    _nothing_active()
+
+
+def test_an_undo_raising_still_runs_every_other_undo(
+    mechanisms: Callable[..., list[str]],
+) -> None:
+    log = mechanisms(last="undo")
+    with pytest.raises(ValueError, match="last"):
+        _strict_region()
+    assert log[-2:] == ["undo last", "undo first"]
+    _nothing_active()
+
+
+def test_each_mechanism_module_implements_the_protocol() -> None:
+    for mechanism in _engine.MECHANISMS:
+        assert callable(mechanism.start_region) and callable(mechanism.enter_frame)
+        first = (mechanism.__doc__ or "").strip()
+        assert first, f"{mechanism.__name__} opens with no sentence saying what it owns"
+
+
+def test_the_engine_names_no_mechanism_outside_its_registration() -> None:
+    """The region path knows mechanisms only through MECHANISMS (one line of registration).
+
+    One exception: a module-owned region runs the owner's forward without ``__call__``,
+    so the engine has the guard wrap it (``_guard.guarded_call``)."""
+    engine = Path(_engine.__file__)
+    names = {m.__name__.rsplit(".", 1)[1] for m in _engine.MECHANISMS if hasattr(m, "__name__")}
+    used: list[str] = []
+    for node in ast.walk(ast.parse(engine.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id in names and node.value.id != "_guard":
+                used.append(f"{node.value.id}.{node.attr}")
+    assert used == []
