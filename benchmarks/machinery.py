@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from scopedckpt import _engine, _guard
-from scopedckpt._state import FRAME, Phase, Scope, Tape
+from scopedckpt._state import FRAME, Scope
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -99,8 +99,10 @@ def _in_a_loop(number: int) -> dict[str, float]:
             block, None, block, scope, (x,), {}, preserve_rng_state=True, context_fn=None
         )
 
-    tape = Tape()
-    forward = _engine._EnterFrame(Phase.FORWARD, tape, scope, None, rewind=False)
+    # A plain region's first-forward context, with the mechanisms its tape lists.
+    forward = _engine.region_context_fn(
+        block, None, block, scope, (x,), {}, preserve_rng_state=True, context_fn=None
+    )[1]()[0]
 
     def enter() -> None:
         forward.__enter__()

@@ -10,11 +10,15 @@ Everything a region does besides running its function is a *mechanism*: one
 private module implementing :class:`Mechanism`, listed once in
 :data:`MECHANISMS`. The engine knows none of them by name:
 
-* ``start_region(tape, call)`` runs once, when the region starts, and puts the
-  mechanism's state on the tape (a field of :class:`Tape` the mechanism owns);
-* ``enter_frame(frame)`` runs at every entry of the region (its first
+* ``start_region(tape, call)`` runs once, when the region starts, puts the
+  mechanism's state on the tape (a field of :class:`Tape` the mechanism owns)
+  and says whether the mechanism acts in the region's frames;
+* ``enter_frame(frame)`` runs at every entry of such a region (its first
   forward, and each recompute, on any thread) and returns what undoes it, an
-  ``__exit__``-like callable, or None when it has nothing to do there.
+  ``__exit__``-like callable, or None when it has nothing to do there. It is
+  called only in the phases the module's ``FRAME_PHASES`` names: the tape
+  lists these functions per phase, so a frame calls only the mechanisms that
+  act in it.
 
 :class:`_EnterFrame` enters them in the order listed and undoes them in
 reverse, each undo run even when another raised, and undoes what it entered
@@ -68,8 +72,11 @@ _REGION = "region"
 class Mechanism(Protocol):
     """What each region mechanism module provides (NOTE [ region mechanisms ])."""
 
-    def start_region(self, tape: Tape, call: RegionCall) -> None:
-        """A region starts: put this mechanism's state on its tape."""
+    FRAME_PHASES: frozenset[Phase]  # the phases of the frames enter_frame acts in
+
+    def start_region(self, tape: Tape, call: RegionCall) -> bool:
+        """A region starts: put this mechanism's state on its tape; whether it acts in
+        the region's frames."""
 
     def enter_frame(self, frame: Frame) -> Undo | None:
         """A frame of the region is entered: start, and return what undoes it, if anything."""
@@ -92,6 +99,29 @@ def register_mechanism(mechanism: Mechanism, *, first: bool = False) -> None:
         MECHANISMS = (mechanism, *MECHANISMS) if first else (*MECHANISMS, mechanism)
 
 
+FramePlan = tuple[tuple[Callable[[Frame], Undo | None], ...], ...]
+# By the set of mechanisms acting in a region (a bit each, in the order of _PLANS_OF,
+# the MECHANISMS they were made for): the enter_frame functions its forward and
+# recompute frames call.
+_PLANS: dict[int, FramePlan] = {}
+_PLANS_OF: tuple[Mechanism, ...] = ()
+
+
+def _frame_plan(acting: int) -> FramePlan:
+    global _PLANS_OF
+    if _PLANS_OF is not MECHANISMS:
+        _PLANS.clear()
+        _PLANS_OF = MECHANISMS
+    plan = _PLANS.get(acting)
+    if plan is None:
+        used = [m for i, m in enumerate(MECHANISMS) if acting >> i & 1]
+        plan = _PLANS[acting] = tuple(
+            tuple(m.enter_frame for m in used if phase in m.FRAME_PHASES)
+            for phase in (Phase.FORWARD, Phase.RECOMPUTE)
+        )
+    return plan
+
+
 class _Counters:
     """How many regions started and were recomputed; read by scopedckpt.testing."""
 
@@ -105,9 +135,11 @@ COUNTERS = _Counters()
 def _undo(undos: list[Undo], exc: tuple[Any, Any, Any]) -> None:
     """Run every undo, last first; re-raise the first error once all have run."""
     error: BaseException | None = None
-    for undo in reversed(undos):
+    index = len(undos)
+    while index:
+        index -= 1
         try:
-            undo(*exc)
+            undos[index](*exc)
         except BaseException as raised:
             error = error or raised
     if error is not None:
@@ -132,6 +164,9 @@ class _EnterFrame:
         self._scope = scope
         self._owner = owner
         self._rewind = rewind
+        self._mechanisms = (
+            tape.forward_mechanisms if phase is Phase.FORWARD else tape.recompute_mechanisms
+        )
         self._entries: list[
             tuple[contextvars.Token[Scope | None], contextvars.Token[Frame | None], list[Undo]]
         ] = []
@@ -143,8 +178,8 @@ class _EnterFrame:
         scope_token, frame_token = SCOPE.set(self._scope), FRAME.set(frame)
         undos: list[Undo] = []
         try:
-            for mechanism in MECHANISMS:
-                undo = mechanism.enter_frame(frame)
+            for enter_frame in self._mechanisms:
+                undo = enter_frame(frame)
                 if undo is not None:
                     undos.append(undo)
         except BaseException as error:
@@ -164,7 +199,10 @@ class _EnterFrame:
     ) -> None:
         scope_token, frame_token, undos = self._entries.pop()
         try:
-            _undo(undos, (exc_type, exc, tb))
+            if len(undos) == 1:
+                undos[0](exc_type, exc, tb)
+            else:
+                _undo(undos, (exc_type, exc, tb))
         finally:
             FRAME.reset(frame_token)
             SCOPE.reset(scope_token)
@@ -200,8 +238,12 @@ def region_context_fn(
     else:
         tape = Tape()
         call = RegionCall(owner, label, scope, args, kwargs, preserve_rng_state, save)
+        acting, bit = 0, 1
         for mechanism in MECHANISMS:
-            mechanism.start_region(tape, call)
+            if mechanism.start_region(tape, call):
+                acting |= bit
+            bit <<= 1
+        tape.forward_mechanisms, tape.recompute_mechanisms = _frame_plan(acting)
         if parent is not None:
             parent.tape.records.append(Record(_REGION, owner_id, label, tape))
         forward = _EnterFrame(Phase.FORWARD, tape, scope, owner, rewind=False)

@@ -57,6 +57,7 @@ as the first forward did:
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -74,6 +75,7 @@ from ._state import FRAME, MIRROR, Frame, Phase, RegionCall, Tape, module_path
 from ._torch_private import module_buffers
 
 __all__ = [
+    "FRAME_PHASES",
     "GuardEntry",
     "ModuleState",
     "Stateful",
@@ -390,22 +392,23 @@ def begin(frame: Frame) -> None:
     if every_call:
         _install("post", _register_post_hook, _post_hook)
 
+# The phases of the frames enter_frame acts in.
+FRAME_PHASES = frozenset({Phase.FORWARD, Phase.RECOMPUTE})
 
-def start_region(tape: Tape, call: RegionCall) -> None:
-    """The guard fills the tape's states as the first forward calls modules."""
+
+def start_region(tape: Tape, call: RegionCall) -> bool:
+    """The guard fills the tape's states as the first forward calls modules: it acts in
+    every frame."""
+    return True
 
 
 def enter_frame(frame: Frame) -> Callable[..., None]:
     """Guard the frame's module calls; returns what stops guarding them."""
     begin(frame)
-
-    def stop(*exc: object) -> None:
-        end(frame)
-
-    return stop
+    return functools.partial(end, frame)
 
 
-def end(frame: Frame) -> None:
+def end(frame: Frame, *exc: object) -> None:
     """Stop guarding a frame that is being left, leaving no swapped buffer behind."""
     try:
         unwind(frame)

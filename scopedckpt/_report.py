@@ -44,7 +44,7 @@ import torch
 from ._state import Frame, Phase, RegionCall, Tape
 from ._torch_private import base_of, module_buffers, top_saved_tensors_hooks
 
-__all__ = ["MemoryReport", "RegionStats", "enter_frame", "memory_report", "start_region"]
+__all__ = ["FRAME_PHASES", "MemoryReport", "RegionStats", "enter_frame", "memory_report", "start_region"]
 
 _LOCK = threading.Lock()
 _ACTIVE: list[MemoryReport] = []
@@ -348,17 +348,20 @@ def recomputed(stats: RegionStats, seconds: float) -> None:
 
 now = time.perf_counter
 
+# The phases of the frames enter_frame acts in.
+FRAME_PHASES = frozenset({Phase.FORWARD, Phase.RECOMPUTE})
 
-def start_region(tape: Tape, call: RegionCall) -> None:
+
+def start_region(tape: Tape, call: RegionCall) -> bool:
     """A region starts: its row, if a report is open."""
     tape.stats = start(call.owner, call.label, call.scope.root, call.args, call.kwargs)
+    return tape.stats is not None
 
 
 def enter_frame(frame: Frame) -> Callable[..., None] | None:
     """Count what a first forward saves, time a recompute; returns what records it."""
     stats = frame.tape.stats
-    if stats is None:
-        return None
+    assert stats is not None  # start_region said so
     if frame.phase is Phase.FORWARD:
         counting = counting_saved_tensors(stats)
         counting.__enter__()

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ._state import Frame, Phase, RegionCall, Tape
 
-__all__ = ["RngStash", "enter_frame", "start_region", "stash"]
+__all__ = ["FRAME_PHASES", "RngStash", "enter_frame", "start_region", "stash"]
 
 Access = tuple[Callable[[], Tensor], Callable[[Tensor], None]]
 
@@ -115,6 +115,10 @@ class RngStash:
         for (_, set_state), state in self.devices:
             set_state(state)
 
+    def put_back(self, *exc: object) -> None:
+        """:meth:`apply`, as a frame's undo (NOTE [ region mechanisms ] in _engine.py)."""
+        self.apply()
+
     def current(self) -> RngStash:
         """The same generators' states now, to put back after a recompute."""
         devices = tuple((access, access[0]()) for access, _ in self.devices)
@@ -127,23 +131,22 @@ def stash() -> RngStash:
     return RngStash(torch.default_generator.get_state(), devices)
 
 
-def start_region(tape: Tape, call: RegionCall) -> None:
+# The phases of the frames enter_frame acts in.
+FRAME_PHASES = frozenset({Phase.RECOMPUTE})
+
+
+def start_region(tape: Tape, call: RegionCall) -> bool:
     """Stash the generators when the region starts, if it replays them."""
-    if call.preserve_rng_state:
-        tape.rng = stash()
+    if not call.preserve_rng_state:
+        return False
+    tape.rng = stash()
+    return True
 
 
 def enter_frame(frame: Frame) -> Callable[..., None] | None:
     """A recompute starts from the stash; returns what puts the states it found back."""
     stashed = frame.tape.rng
-    if stashed is None or frame.phase is not Phase.RECOMPUTE:
-        return None
+    assert stashed is not None  # start_region said so
     found = stashed.current() if frame.rewind else None
     stashed.apply()
-    if found is None:
-        return None
-
-    def put_back(*exc: object) -> None:
-        found.apply()
-
-    return put_back
+    return None if found is None else found.put_back

@@ -74,7 +74,7 @@ from ._torch_private import (
     version_of,
 )
 
-__all__ = ["Saved", "SavingMode", "ServingMode", "enter_frame", "internal", "start_region"]
+__all__ = ["FRAME_PHASES", "Saved", "SavingMode", "ServingMode", "enter_frame", "internal", "start_region"]
 
 
 class _Internal(threading.local):
@@ -295,20 +295,24 @@ class ServingMode(_RegionMode):
 def _shapes(signature: tuple[Any, ...]) -> str:
     return "(" + ", ".join(f"{tuple(shape)} {dtype}" for shape, dtype in signature) + ")"
 
+# The phases of the frames enter_frame acts in.
+FRAME_PHASES = frozenset({Phase.FORWARD, Phase.RECOMPUTE})
 
-def start_region(tape: Tape, call: RegionCall) -> None:
+
+def start_region(tape: Tape, call: RegionCall) -> bool:
     """A region with a policy (its own ``save=`` or its scope's) keeps a record."""
     policy = call.save if call.save is not None else call.scope.save
-    if policy is not None:
-        tape.saved = Saved(policy, policy.matched_modules(call.owner, call.label), call.label)
+    if policy is None:
+        return False
+    tape.saved = Saved(policy, policy.matched_modules(call.owner, call.label), call.label)
+    return True
 
 
 def enter_frame(frame: Frame) -> Callable[..., Any] | None:
     """Record (first forward) or serve (recompute) under the region's policy; returns
     the mode's exit."""
     saved = frame.tape.saved
-    if saved is None:
-        return None
+    assert saved is not None  # start_region said so
     mode: SavingMode | ServingMode
     if frame.phase is Phase.FORWARD:
         mode = SavingMode(saved, frame)

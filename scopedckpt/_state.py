@@ -138,6 +138,9 @@ class Tape:
     states: dict[tuple[int, int], ModuleState] = field(default_factory=dict)  # _guard
     stats: RegionStats | None = None  # _report: while a memory_report() block measures it
     saved: Saved | None = None  # _selective: when the region has a save= policy
+    # The enter_frame of each mechanism acting in this region's frames, in order, by phase.
+    forward_mechanisms: tuple[Callable[[Frame], Callable[..., Any] | None], ...] = ()
+    recompute_mechanisms: tuple[Callable[[Frame], Callable[..., Any] | None], ...] = ()
 
 
 @dataclass

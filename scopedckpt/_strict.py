@@ -23,6 +23,7 @@ from ._state import Frame, Phase, RegionCall, Tape
 from ._torch_private import TorchDispatchMode, bound_arguments
 
 __all__ = [
+    "FRAME_PHASES",
     "draws_random_numbers",
     "enter_frame",
     "scoped_draws",
@@ -117,14 +118,17 @@ def unscoped_random_detector() -> TorchDispatchMode:
     return _UnscopedRandomDetector()
 
 
-def start_region(tape: Tape, call: RegionCall) -> None:
-    """Strict mode keeps nothing on the tape."""
+# The phases of the frames enter_frame acts in.
+FRAME_PHASES = frozenset({Phase.FORWARD})
 
 
-def enter_frame(frame: Frame) -> Callable[..., Any] | None:
+def start_region(tape: Tape, call: RegionCall) -> bool:
+    """Strict mode keeps nothing on the tape; it acts in a strict scope's frames."""
+    return call.scope.strict
+
+
+def enter_frame(frame: Frame) -> Callable[..., Any]:
     """A strict scope's first forward runs under the detector; returns its exit."""
-    if frame.phase is not Phase.FORWARD or not frame.scope.strict:
-        return None
     detector = _UnscopedRandomDetector()
     detector.__enter__()
     return detector.__exit__

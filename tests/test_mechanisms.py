@@ -14,17 +14,20 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import scopedckpt
 from scopedckpt import _engine, _guard
-from scopedckpt._state import FRAME, SCOPE, Frame, RegionCall, Tape
+from scopedckpt._state import FRAME, SCOPE, Frame, Phase, RegionCall, Tape
 
 
 class Recorder:
     """A mechanism that logs its calls; raises where told."""
 
+    FRAME_PHASES = frozenset({Phase.FORWARD, Phase.RECOMPUTE})
+
     def __init__(self, name: str, log: list[str], fail: str | None = None) -> None:
         self.name, self.log, self.fail = name, log, fail
 
-    def start_region(self, tape: Tape, call: RegionCall) -> None:
+    def start_region(self, tape: Tape, call: RegionCall) -> bool:
         self.log.append(f"start {self.name}")
+        return True
 
     def enter_frame(self, frame: Frame) -> Callable[..., None] | None:
         self.log.append(f"enter {self.name} {frame.phase.name}")
@@ -116,6 +119,7 @@ def test_an_undo_raising_still_runs_every_other_undo(
 def test_each_mechanism_module_implements_the_protocol() -> None:
     for mechanism in _engine.MECHANISMS:
         assert callable(mechanism.start_region) and callable(mechanism.enter_frame)
+        assert mechanism.FRAME_PHASES <= {Phase.FORWARD, Phase.RECOMPUTE}
         first = (mechanism.__doc__ or "").strip()
         assert first, f"{mechanism.__name__} opens with no sentence saying what it owns"
 

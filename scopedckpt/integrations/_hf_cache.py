@@ -11,27 +11,37 @@ it for them under its own checkpointing): allowed.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from torch import Tensor
+from torch.nn import Parameter
+
 from .._errors import ScopedCkptError
-from .._state import Frame, RegionCall, Tape, describe, module_path
+from .._state import Frame, Phase, RegionCall, Tape, describe, module_path
 
-__all__ = ["enter_frame", "start_region"]
+__all__ = ["FRAME_PHASES", "enter_frame", "start_region"]
 
 
-def start_region(tape: Tape, call: RegionCall) -> None:
-    """Refuse a Hugging Face cache among the region's arguments."""
-    # Runs at every region start: plain loops, the layer's opt-out looked up (a
-    # failing nn.Module attribute lookup is slow) and names formatted only
-    # when a cache is there.
+FRAME_PHASES: frozenset[Phase] = frozenset()  # it never acts in frames
+
+def start_region(tape: Tape, call: RegionCall) -> bool:
+    """Refuse a Hugging Face cache among the region's arguments; nothing to do in frames."""
+    # Runs at every region start: tensors pass at once, the layer's opt-out is
+    # looked up (a failing nn.Module attribute lookup is slow) and names are
+    # formatted only when a cache is there.
     owner, label = call.owner, call.label
-    for key, value in itertools.chain(enumerate(call.args), call.kwargs.items()):
+    named: Iterable[tuple[int | str, Any]] = enumerate(call.args)
+    if call.kwargs:
+        named = itertools.chain(named, call.kwargs.items())
+    for key, value in named:
         kind = type(value)
+        if kind is Tensor or kind is Parameter:
+            continue
         if kind.__name__.endswith("Cache") and kind.__module__.startswith("transformers."):
             layer = owner if owner is not None else label
             if getattr(layer, "_can_checkpoint_with_cache", False) is True:
-                return
+                return False
             if isinstance(key, int):
                 name = f"positional argument #{key}"
             else:
@@ -49,6 +59,7 @@ def start_region(tape: Tape, call: RegionCall) -> None:
                 "gradient checkpointing does the same), or use "
                 "scopedckpt.integrations.huggingface.gradient_checkpointing_enable(model)."
             )
+    return False
 
 
 def enter_frame(frame: Frame) -> Callable[..., Any] | None:
