@@ -30,8 +30,8 @@ mechanism       tape                        frame
 ``_strict``     nothing                     first forward under the detector
 ``_rng``        generators' states          recomputes start from them
 ``_guard``      module states, per call     module calls guarded
-``_report``     a memory_report row         saved tensors counted, time taken
 ``_selective``  kept op outputs             recorded, or served
+``_report``     a memory_report row         saved tensors counted, time taken
 ==============  ==========================  ====================================
 """
 
@@ -86,9 +86,11 @@ def _registered(*mechanisms: Mechanism) -> tuple[Mechanism, ...]:
     return mechanisms  # each module is checked against the protocol here (mypy)
 
 
-# Entered in this order, undone in reverse. A new mechanism: a module and a name here
-# (or, for an integration, a register_mechanism call in its package).
-MECHANISMS = _registered(_strict, _rng, _guard, _report, _selective)
+# Started and entered in this order, undone in reverse. The report starts last: a
+# mechanism refusing the region at its start (a save= policy that cannot apply)
+# leaves no row. A new mechanism: a module and a name here (or, for an
+# integration, a register_mechanism call in its package).
+MECHANISMS = _registered(_strict, _rng, _guard, _selective, _report)
 
 
 def register_mechanism(mechanism: Mechanism, *, first: bool = False) -> None:

@@ -137,3 +137,15 @@ def test_the_engine_names_no_mechanism_outside_its_registration() -> None:
             if node.value.id in names and node.value.id != "_guard":
                 used.append(f"{node.value.id}.{node.attr}")
     assert used == []
+
+
+def test_a_region_refused_at_its_start_leaves_no_report_row() -> None:
+    """A name pattern needs a module region: selective saving refuses a function before
+    the memory report, which starts last, makes its row."""
+    x = torch.randn(3, 4, requires_grad=True)
+    with scopedckpt.memory_report() as report:
+        with pytest.raises(scopedckpt.ScopedCkptError, match="not a module"):
+            with scopedckpt.checkpointing(save=["mlp.*"]):
+                scopedckpt.checkpoint(torch.sin, x)
+    assert report.rows == []
+    _nothing_active()
