@@ -141,9 +141,7 @@ def machinery(depth: int = 8, steps: int = 100) -> dict[str, float]:
             run.step(model, x)
     overhead = _wrapper_ns()
     regions = calls["region set-up (region_context_fn)"]
-    in_step = {
-        name: (totals[name] - overhead * calls[name]) / regions / 1e3 for name in PIECES
-    }
+    in_step = {name: (totals[name] - overhead * calls[name]) / regions / 1e3 for name in PIECES}
     loop = _in_a_loop(2000)
     hook_calls = calls["the buffer guard's hook (per module call)"] / regions
     entries = calls["frame entries (forward, recompute)"] / regions

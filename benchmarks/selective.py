@@ -99,7 +99,9 @@ def _model_ops(model: nn.Module, x: torch.Tensor) -> set[str]:
     seen: set[str] = set()
 
     class Spy(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
             seen.add(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
@@ -209,9 +211,7 @@ def plot(rows: list[dict[str, Any]], path: Any) -> None:
         ax.set_xlabel("step time (ms, median)")
         ax.set_ylabel("heap kept by the forward (MiB)")
     handles = {
-        label: handle
-        for ax in axes.flat
-        for handle, label in zip(*ax.get_legend_handles_labels())
+        label: handle for ax in axes.flat for handle, label in zip(*ax.get_legend_handles_labels())
     }
     fig.legend(handles.values(), handles.keys(), loc="upper center", ncol=4)
     fig.tight_layout(rect=(0, 0, 1, 0.93))

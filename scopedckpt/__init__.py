@@ -29,7 +29,6 @@ from . import _torch_private, functional, integrations, policies  # noqa: F401
 from ._checkpoint import checkpoint, checkpoint_sequential
 from ._convert import ConvertWarning, convert
 from ._errors import ScopedCkptError
-from ._guard import Stateful
 from ._layers import (
     AlphaDropout,
     BatchNorm1d,
@@ -41,6 +40,7 @@ from ._layers import (
     Dropout3d,
     FeatureAlphaDropout,
 )
+from ._module_state import Stateful
 from ._report import MemoryReport, memory_report
 from ._scope import checkpointing
 from ._state import Phase, is_recomputing, phase, replay

@@ -167,11 +167,7 @@ def _unscoped_reason(module: nn.Module) -> str | None:
             for name, value in vars(module).items()
             if "drop" in name and isinstance(value, float)
         ]
-        rates += [
-            child.p
-            for child in module.children()
-            if isinstance(child, DropoutBase)
-        ]
+        rates += [child.p for child in module.children() if isinstance(child, DropoutBase)]
         if any(rate > 0 for rate in rates):
             return f"attention dropout applied functionally, p={max(rates)}"
     return None

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import functional as SF
-from ._guard import self_guarded
+from ._module_state import self_guarded
 from ._selective import internal
 from ._state import MIRROR, Phase, tape_value
 from ._torch_private import BatchNormBase, DropoutBase, check_input_dim

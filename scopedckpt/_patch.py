@@ -64,9 +64,7 @@ __all__ = ["patch_torch_checkpoint"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_PATCHED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "scopedckpt_patched", default=False
-)
+_PATCHED: contextvars.ContextVar[bool] = contextvars.ContextVar("scopedckpt_patched", default=False)
 # While the patch proves itself live: the set of replacements reached.
 _PROBE: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
     "scopedckpt_patch_probe", default=None
@@ -99,7 +97,9 @@ def _generator_body(
     torch_generator = _ORIGINALS[PATH.generator]  # type: ignore[index]
     scope = _active_scope()
     if scope is None:
-        return (yield from _torch_private.call_generator(torch_generator, fn, args, kwargs, options))
+        return (
+            yield from _torch_private.call_generator(torch_generator, fn, args, kwargs, options)
+        )
     fn, contexts = region_context_fn(
         fn,
         None,
@@ -221,8 +221,16 @@ def _reached(call: Callable[[], Any]) -> set[str]:
 def _prove_live(torch_checkpoint_fn: Callable[..., Any]) -> None:
     """Raise unless torch's ``checkpoint`` as bound before the patch reaches every replacement."""
     calls: list[tuple[str, Callable[[], Any], str]] = [
-        ("use_reentrant=False", lambda: torch_checkpoint_fn(_probe_fn, use_reentrant=False), "generator"),
-        ("use_reentrant=True", lambda: torch_checkpoint_fn(_probe_fn, use_reentrant=True), "reentrant"),
+        (
+            "use_reentrant=False",
+            lambda: torch_checkpoint_fn(_probe_fn, use_reentrant=False),
+            "generator",
+        ),
+        (
+            "use_reentrant=True",
+            lambda: torch_checkpoint_fn(_probe_fn, use_reentrant=True),
+            "reentrant",
+        ),
     ]
     if PATH.split:
         calls.append(("use_reentrant unset", lambda: torch_checkpoint_fn(_probe_fn), "front"))

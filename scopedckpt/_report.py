@@ -44,7 +44,14 @@ import torch
 from ._state import Frame, Phase, RegionCall, Tape
 from ._torch_private import base_of, module_buffers, top_saved_tensors_hooks
 
-__all__ = ["FRAME_PHASES", "MemoryReport", "RegionStats", "enter_frame", "memory_report", "start_region"]
+__all__ = [
+    "FRAME_PHASES",
+    "MemoryReport",
+    "RegionStats",
+    "enter_frame",
+    "memory_report",
+    "start_region",
+]
 
 _LOCK = threading.Lock()
 _ACTIVE: list[MemoryReport] = []

@@ -157,9 +157,7 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
 
     def __enter__(self) -> checkpointing:
         if torch.compiler.is_dynamo_compiling():  # NOTE [ torch.compile ] in _compiled.py
-            self._traced.append(
-                _compiled.enter_traced(self._modules, self._enabled, self._save)
-            )
+            self._traced.append(_compiled.enter_traced(self._modules, self._enabled, self._save))
             return self
         parent = SCOPE.get()
         strict = self._strict

@@ -74,7 +74,15 @@ from ._torch_private import (
     version_of,
 )
 
-__all__ = ["FRAME_PHASES", "Saved", "SavingMode", "ServingMode", "enter_frame", "internal", "start_region"]
+__all__ = [
+    "FRAME_PHASES",
+    "Saved",
+    "SavingMode",
+    "ServingMode",
+    "enter_frame",
+    "internal",
+    "start_region",
+]
 
 
 class _Internal(threading.local):
@@ -294,6 +302,7 @@ class ServingMode(_RegionMode):
 
 def _shapes(signature: tuple[Any, ...]) -> str:
     return "(" + ", ".join(f"{tuple(shape)} {dtype}" for shape, dtype in signature) + ")"
+
 
 # The phases of the frames enter_frame acts in.
 FRAME_PHASES = frozenset({Phase.FORWARD, Phase.RECOMPUTE})

@@ -46,7 +46,7 @@ from ._errors import ScopedCkptError
 if TYPE_CHECKING:  # the mechanisms' own types; they import this module
     from torch.utils.hooks import RemovableHandle
 
-    from ._guard import GuardEntry, ModuleState
+    from ._module_state import GuardEntry, ModuleState
     from ._policy import SavePolicy
     from ._report import RegionStats
     from ._rng import RngStash

@@ -64,9 +64,7 @@ save_attention: tuple[OpOverloadPacket, ...] = tuple(
 save_convolutions: tuple[OpOverloadPacket, ...] = (_aten.convolution,)
 """Every ``nn.Conv*`` and ``F.conv*``."""
 
-save_compute: tuple[OpOverloadPacket, ...] = (
-    save_matmuls + save_attention + save_convolutions
-)
+save_compute: tuple[OpOverloadPacket, ...] = save_matmuls + save_attention + save_convolutions
 """The expensive ops of most models: matmuls, fused attention and convolutions;
 the cheap elementwise ops, normalisations and dropout between them are recomputed."""
 

@@ -161,7 +161,9 @@ def _mismatching(x: torch.Tensor, calls: list[int]) -> torch.Tensor:
     return x[:n].sin().sum() * x
 
 
-@pytest.mark.parametrize("switch", [False, True], ids=["debug=True", "set_checkpoint_debug_enabled"])
+@pytest.mark.parametrize(
+    "switch", [False, True], ids=["debug=True", "set_checkpoint_debug_enabled"]
+)
 def test_debug_mode_dumps_torchs_operator_logs_on_a_mismatch(switch: bool) -> None:
     calls: list[int] = []
     x = torch.randn(4, requires_grad=True)
@@ -185,7 +187,10 @@ def test_set_checkpoint_early_stop_is_honoured() -> None:
         return y * 2
 
     x = torch.randn(3, requires_grad=True)
-    for early_stop, expected in ((True, [Phase.FORWARD]), (False, [Phase.FORWARD, Phase.RECOMPUTE])):
+    for early_stop, expected in (
+        (True, [Phase.FORWARD]),
+        (False, [Phase.FORWARD, Phase.RECOMPUTE]),
+    ):
         seen.clear()
         with scopedckpt.checkpointing(), tc.set_checkpoint_early_stop(early_stop):
             out = scopedckpt.checkpoint(body, x)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import scopedckpt
-from scopedckpt import _guard
+from scopedckpt import _guard, _module_state
 from scopedckpt.testing import assert_checkpoint_equivalent
 
 
@@ -65,7 +65,11 @@ def test_unconverted_stateful_modules_are_updated_once(backward: str) -> None:
     assert_checkpoint_equivalent(model, x, steps=3, backward=backward)  # type: ignore[arg-type]
     # Nested regions, the same module inside several regions, the whole model.
     assert_checkpoint_equivalent(
-        model, x, targets=[model, model[0], model[1][1], model[2]], steps=2, backward=backward  # type: ignore[arg-type]
+        model,
+        x,
+        targets=[model, model[0], model[1][1], model[2]],
+        steps=2,
+        backward=backward,  # type: ignore[arg-type]
     )
 
 
@@ -157,9 +161,9 @@ def test_the_guard_asks_each_instance_for_its_buffers() -> None:
     plain = nn.Sequential(nn.Linear(6, 6), LateCounter())
     with scopedckpt.checkpointing():  # the class is seen in a region, with no buffers
         scopedckpt.checkpoint(plain, x.requires_grad_())
-    assert not _guard._guarded(plain[1])
+    assert not _module_state.guarded(plain[1])
     counting = nn.Sequential(nn.Linear(6, 6), LateCounter().count(), LateCounter())
-    assert _guard._guarded(counting[1]) and not _guard._guarded(counting[2])
+    assert _module_state.guarded(counting[1]) and not _module_state.guarded(counting[2])
     assert_checkpoint_equivalent(counting, x, targets=[counting], steps=3)
     counting[2].count()  # between steps
     assert_checkpoint_equivalent(counting, x, targets=[counting], steps=3)
@@ -167,14 +171,14 @@ def test_the_guard_asks_each_instance_for_its_buffers() -> None:
 
 def test_scoped_batch_norm_skips_the_guard() -> None:
     bn = scopedckpt.BatchNorm1d(6)
-    assert not _guard._guarded(bn)
-    assert _guard._guarded(nn.BatchNorm1d(6))
+    assert not _module_state.guarded(bn)
+    assert _module_state.guarded(nn.BatchNorm1d(6))
 
     class Sub(scopedckpt.BatchNorm1d):  # its own forward: the guard takes it
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return super().forward(x)
 
-    assert _guard._guarded(Sub(6))
+    assert _module_state.guarded(Sub(6))
     assert_checkpoint_equivalent(Sub(6), torch.randn(4, 6), targets=[], steps=2,
                                  require_regions=False)  # fmt: skip
 

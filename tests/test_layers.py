@@ -542,6 +542,7 @@ def test_mask_thresholds_are_one_minus_p_in_units_of_two_to_the_minus_32() -> No
 @pytest.mark.parametrize("shape", [(), (1,), (3, 5), (1 << 15,), (7, 1, 1)])
 def test_masks_depend_on_the_seed_alone(shape: tuple[int, ...]) -> None:
     """Not on the number of threads, and odd sizes take a prefix of the same draws."""
+
     def keep(seed: int) -> torch.Tensor:
         return _mask.Mask(seed, 0.5, shape, torch.device("cpu"), False, True).keep()
 
@@ -674,7 +675,9 @@ def test_batch_norm_recompute_uses_the_mode_of_the_first_forward(
 
 
 @pytest.mark.parametrize(("save_mask", "per_element"), [(True, 1), (False, 0)])
-def test_scoped_dropout_keeps_one_byte_per_element_or_none(save_mask: bool, per_element: int) -> None:
+def test_scoped_dropout_keeps_one_byte_per_element_or_none(
+    save_mask: bool, per_element: int
+) -> None:
     saved: list[torch.Tensor] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:

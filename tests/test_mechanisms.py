@@ -66,7 +66,10 @@ def _strict_region() -> torch.Tensor:
     """A region in which every core mechanism acts: strict mode, the RNG stash, the guard
     (an eval-mode batch norm's buffers), the memory report and selective saving."""
     block = nn.Sequential(
-        nn.Linear(4, 4), scopedckpt.BatchNorm1d(4), nn.BatchNorm1d(4).eval(), scopedckpt.Dropout(0.3)
+        nn.Linear(4, 4),
+        scopedckpt.BatchNorm1d(4),
+        nn.BatchNorm1d(4).eval(),
+        scopedckpt.Dropout(0.3),
     )
     with (
         scopedckpt.memory_report(),

@@ -24,6 +24,7 @@ Each family is checked three ways:
 Families skip when their package is missing (``pip install -e '.[real]'``); the
 builders, and how timm is imported without torchvision, live in tests/real_models.py.
 """
+
 from __future__ import annotations
 
 import math

@@ -116,6 +116,8 @@ def test_a_stateful_module_called_more_often_in_the_recompute_raises() -> None:
         out = scopedckpt.checkpoint(body, x, early_stop=False)
     with pytest.raises(
         scopedckpt.ScopedCkptError,
-        match=re.escape("called a PythonCounter module (a module with buffers or state) for the 2. time"),
+        match=re.escape(
+            "called a PythonCounter module (a module with buffers or state) for the 2. time"
+        ),
     ):
         out.sum().backward()

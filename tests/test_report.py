@@ -96,7 +96,13 @@ def test_rows_count_calls_recomputes_and_what_the_region_keeps() -> None:
     json.dumps(rows)  # serialisable as it is
     text = str(report)
     assert text.splitlines()[0].split() == [
-        "region", "calls", "recomputes", "kept", "freed", "records", "recompute",
+        "region",
+        "calls",
+        "recomputes",
+        "kept",
+        "freed",
+        "records",
+        "recompute",
     ]
     assert text.splitlines()[-1].startswith("total")
 
@@ -188,7 +194,6 @@ def test_checkpointing_is_unchanged_under_a_report() -> None:
 
     for a, b in zip(train(True), train(False)):
         assert torch.equal(a, b)
-
 
 
 def test_weights_saved_in_a_function_region_are_not_counted_as_freed() -> None:

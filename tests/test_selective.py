@@ -68,7 +68,9 @@ POLICIES = {
     "callable": [lambda ctx, op, *a, **k: op is aten.addmm.default],
     "torch-enum callable": [
         lambda ctx, op, *a, **k: (
-            CheckpointPolicy.MUST_SAVE if op is aten.addmm.default else CheckpointPolicy.PREFER_RECOMPUTE
+            CheckpointPolicy.MUST_SAVE
+            if op is aten.addmm.default
+            else CheckpointPolicy.PREFER_RECOMPUTE
         )
     ],
     "preset": policies.save_matmuls,
@@ -109,7 +111,9 @@ def test_batch_norm_saved_then_changed_in_place_is_recomputed_exactly() -> None:
     model = _model(inplace=True)
     policy = [aten.native_batch_norm]
     block = _model(inplace=True)[0]
-    context = functools.partial(create_selective_checkpoint_contexts, [aten.native_batch_norm.default])
+    context = functools.partial(
+        create_selective_checkpoint_contexts, [aten.native_batch_norm.default]
+    )
     x = torch.randn(8, 16, requires_grad=True)
     y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=context)
     with pytest.raises(RuntimeError, match="has been mutated"):
@@ -125,7 +129,9 @@ def test_batch_norm_saved_then_changed_in_place_is_recomputed_exactly() -> None:
 
 def test_torch_sac_updates_batch_norm_twice_and_ours_once() -> None:
     block = _model(inplace=False)[0]
-    context = functools.partial(create_selective_checkpoint_contexts, [aten.native_batch_norm.default])
+    context = functools.partial(
+        create_selective_checkpoint_contexts, [aten.native_batch_norm.default]
+    )
     x = torch.randn(8, 16, requires_grad=True)
     y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=context)
     y.sum().backward()
@@ -207,9 +213,7 @@ def test_module_selection_recomputes_in_place_ops_and_views(save: Any, backward:
     """Inside a selected module, in-place ops, views and factories rerun; nothing raises.
     (Unconverted batch norm: the buffer guard's copies must not be kept.)"""
     model = _model(inplace=True)
-    assert_checkpoint_equivalent(
-        model, torch.randn(8, 16), steps=2, backward=backward, save=save
-    )
+    assert_checkpoint_equivalent(model, torch.randn(8, 16), steps=2, backward=backward, save=save)
 
 
 def test_nested_regions_keep_their_own_outputs() -> None:
@@ -230,7 +234,11 @@ def test_nested_regions_keep_their_own_outputs() -> None:
     model = Outer()
     for backward in ("backward", "retain_graph", "grad_then_backward"):
         assert_checkpoint_equivalent(
-            model, torch.randn(8, 16), targets=[model], steps=2, backward=backward,
+            model,
+            torch.randn(8, 16),
+            targets=[model],
+            steps=2,
+            backward=backward,
             save=policies.save_matmuls,
         )
 
@@ -327,8 +335,11 @@ def test_memory_report_moves_kept_outputs_from_freed_to_kept() -> None:
     assert freed(full) - freed(selective) == 3 * first
 
 
-@given(case=cases(max_steps=2), data=st.data(), backward=st.sampled_from(
-    ["backward", "retain_graph", "grad_then_backward"]))
+@given(
+    case=cases(max_steps=2),
+    data=st.data(),
+    backward=st.sampled_from(["backward", "retain_graph", "grad_then_backward"]),
+)
 def test_random_policies_on_random_models_train_identically(
     case: Case, data: st.DataObject, backward: str
 ) -> None:
@@ -338,7 +349,12 @@ def test_random_policies_on_random_models_train_identically(
     note(repr(case))
     note(f"save={policy!r}")
     assert_checkpoint_equivalent(
-        case.model, case.x, targets=(), steps=case.steps, seed=case.seed, backward=backward,
+        case.model,
+        case.x,
+        targets=(),
+        steps=case.steps,
+        seed=case.seed,
+        backward=backward,
         save=policy,
     )
 

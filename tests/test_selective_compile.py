@@ -37,7 +37,11 @@ def test_compiled_policy_keeps_batch_norm_once_and_retains_graph() -> None:
     with torch._functorch.config.patch(donated_buffer=False):
         plain, _ = _train(model, x, "none", steps=2, retain_graph=True)
         saved, _ = _train(
-            model, x, "outside", steps=2, retain_graph=True,
+            model,
+            x,
+            "outside",
+            steps=2,
+            retain_graph=True,
             save=[aten.native_batch_norm, aten.addmm],
         )
     _assert_equal(saved, plain)

@@ -25,6 +25,7 @@ __all__ = ["FRAME_PHASES", "enter_frame", "start_region"]
 
 FRAME_PHASES: frozenset[Phase] = frozenset()  # it never acts in frames
 
+
 def start_region(tape: Tape, call: RegionCall) -> bool:
     """Refuse a Hugging Face cache among the region's arguments; nothing to do in frames."""
     # Runs at every region start: tensors pass at once, the layer's opt-out is

@@ -227,7 +227,9 @@ def main() -> int:
         "both formulations the same bits; float32/64 kept values equal torch's", kept_values_bitwise
     )
     check("the CUDA backward runs in another thread", backward_thread)
-    check("large dropouts in regions exact on cuda (pieces, two formulations)", large_dropout_regions)
+    check(
+        "large dropouts in regions exact on cuda (pieces, two formulations)", large_dropout_regions
+    )
     for convert in (True, False):
         for backward in ("backward", "retain_graph"):
             check(

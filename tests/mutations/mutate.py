@@ -178,7 +178,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "guard_does_not_swap",
-        "scopedckpt/_guard.py",
+        "scopedckpt/_module_state.py",
         "module_buffers(module)[name] = before.clone()",
         "pass",
         ("tests/test_guard.py", "tests/test_exactness.py"),
@@ -186,7 +186,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "guard_swaps_without_a_copy",
-        "scopedckpt/_guard.py",
+        "scopedckpt/_module_state.py",
         "module_buffers(module)[name] = before.clone()",
         "module_buffers(module)[name] = before",
         ("tests/test_guard.py",),
@@ -194,7 +194,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "guard_records_live_buffers",
-        "scopedckpt/_guard.py",
+        "scopedckpt/_module_state.py",
         "saved = [(n, b.clone()) for n, b in module_buffers(module).items() if b is not None]",
         "saved = [(n, b) for n, b in module_buffers(module).items() if b is not None]",
         ("tests/test_guard.py",),
@@ -210,10 +210,11 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "guard_caches_guarding_per_class",
-        "scopedckpt/_guard.py",
-        "        kind = _class_kind(type(module))\n    if kind is not None and (kind or",
-        "        kind = _CLASSES[type(module)] = _guarded(module) or None\n"
-        "    if kind is not None and (kind or",
+        "scopedckpt/_module_state.py",
+        "    kind = _class_kind(type(module))\n    return kind is not None and (kind or",
+        "    kind = _class_kind(type(module))\n    if kind is False:\n"
+        "        kind = _CLASSES[type(module)] = bool(module_buffers(module)) or None\n"
+        "    return kind is not None and (kind or",
         ("tests/test_guard.py",),
         "the first instance of a class the guard sees decides for all: later instances "
         "with buffers go unguarded",
@@ -221,7 +222,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "guard_copies_lazy_placeholders",
         "scopedckpt/_guard.py",
-        "            _initialize_lazy(frame, module, args)",
+        "            initialize_lazy(frame, module, args)",
         "            pass",
         ("tests/test_guard.py",),
         "a lazy batch norm first called inside a region fails: its placeholder buffers cannot be copied",
@@ -238,7 +239,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "guard_keeps_the_recompute_state",
-        "scopedckpt/_guard.py",
+        "scopedckpt/_module_state.py",
         "        module_buffers(entry.module)[name] = real",
         "        pass",
         ("tests/test_guard.py",),
@@ -384,6 +385,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "            if True:",
         ("tests/test_report.py",),
         "the report counts the transposed weights linear layers save as freed by checkpointing",
+    ),
+    Mutant(
+        "guard_hook_traced_by_dynamo",
+        "scopedckpt/_guard.py",
+        "_pre_outside_dynamo = torch.compiler.disable(_pre)",
+        "_pre_outside_dynamo = _pre",
+        ("tests/test_compile.py",),
+        "compiled code inside an eager region traces the guard's bookkeeping: the "
+        "compiled helpers go stale and an unconverted batch norm updates twice",
     ),
     Mutant(
         "guard_hooks_never_released",
@@ -565,7 +575,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "factories_keepable",
         "scopedckpt/_selective.py",
-        "    elif name.endswith(\"_like\") or not takes_tensors:",
+        '    elif name.endswith("_like") or not takes_tensors:',
         "    elif False:",
         ("tests/test_selective.py",),
         "tensor factories are kept although a change in place to them goes unseen",
