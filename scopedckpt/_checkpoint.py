@@ -9,9 +9,10 @@ from typing import Any, TypeVar
 import torch
 
 from . import _torch_private
-from ._compiled import compiled_region
-from ._engine import REENTRANT_MESSAGE, ContextFn, _region
+from ._engine import REENTRANT_MESSAGE, ContextFn
 from ._errors import ScopedCkptError
+from ._options import RegionOptions
+from ._run import run_region
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
 
@@ -133,20 +134,16 @@ def checkpoint(
             f"scopedckpt: checkpoint(respect_saved_tensors_hooks=...) needs torch >= 2.14; "
             f"torch {torch.__version__} has no such keyword. Leave it unset."
         )
-    region = compiled_region if torch.compiler.is_dynamo_compiling() else _region
-    return region(
-        fn,
-        None,
-        args,
-        kwargs,
-        preserve_rng_state=preserve_rng_state,
-        determinism_check=determinism_check,
-        early_stop=early_stop,
-        debug=debug,
-        context_fn=context_fn,
-        save=save,
-        respect_saved_tensors_hooks=respect_saved_tensors_hooks,
+    options = RegionOptions(
+        preserve_rng_state,
+        determinism_check,
+        early_stop,
+        debug,
+        context_fn,
+        save,
+        respect_saved_tensors_hooks,
     )
+    return run_region(fn, None, args, kwargs, options)
 
 
 def checkpoint_sequential(

@@ -14,12 +14,13 @@ It does not need it either:
   exact by itself: compiled with regions is bitwise compiled without
   (``tests/test_compile.py``). That holds only while the region's body traces
   in one piece, hence the rest of this note.
-* Every branch asks ``torch.compiler.is_dynamo_compiling()``, which is True
+* Every branch asks ``_paths.where()`` or ``_paths.region_path()`` (NOTE
+  [ region paths ]), which read ``torch.compiler.is_dynamo_compiling()``, True
   only in code dynamo traces. ``torch.compiler.is_compiling()`` reads a
   process-wide flag that torch 2.13 holds True for a whole compile session, so
   eager code in *another thread* sees True while one thread compiles
   (measured: an eager ``checkpointing`` exit took the traced branch).
-* Scopes become a per-thread mirror, ``_state.MIRROR`` (a
+* Scopes become a per-thread mirror, ``_paths.MIRROR`` (a
   ``threading.local``): two bools that compiled code reads and dynamo guards
   on, per thread (one graph per value, no recompile per step).
   ``regions``: this thread is inside an enabled ``checkpointing()`` block; a
@@ -30,7 +31,8 @@ It does not need it either:
 * A compiled call with ``regions`` set and grad enabled wraps each region in
   torch's checkpoint (:func:`compiled_region`); module targets are selected by
   the forward patch :func:`scopedckpt._targets.install` put on them (entered
-  outside the compiled function) or :func:`enter_traced` puts on them (inside).
+  outside the compiled function) or ``_targets.enter_traced`` puts on them
+  (inside).
 * Scoped layers trace as torch's own ops (``torch.dropout``,
   ``F.batch_norm``): their masks come from inductor's generator, seeded from
   torch's default one, so ``torch.manual_seed`` reproduces a compiled run but
@@ -55,40 +57,36 @@ It does not need it either:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch import nn
 
-from ._engine import ContextFn, _region, region_context_fn, region_outside_dynamo
-from ._policy import SavePolicy, as_policy, compiled_contexts, traced_policy_info
-from ._state import DEFAULT_SCOPE, MIRROR, SCOPE
+from ._engine import _region, region_context_fn
+from ._options import DEFAULT_OPTIONS, RegionOptions
+from ._paths import MIRROR, Where, where
+from ._policy import compiled_contexts, traced_policy_info
+from ._state import DEFAULT_SCOPE, SCOPE
 
-__all__ = ["compiled_region", "enter_traced", "exit_traced"]
+__all__ = ["compiled_region"]
 
 
 class _EagerFallback:
-    """A region's body: traced as is, or made exact when dynamo runs it eagerly."""
+    """A region's body: traced as is, or made exact when dynamo runs it eagerly
+    (``Path.FALLBACK``)."""
 
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        owner: object | None,
-        preserve_rng_state: bool,
-        save: Any = None,
-    ):
+    def __init__(self, fn: Callable[..., Any], owner: object | None, options: RegionOptions):
         self.fn = fn
         self.owner = owner
-        self.preserve_rng_state = preserve_rng_state
-        self.save = save
+        self.options = options
         self.contexts: tuple[Any, Any] | None = None
         self.run = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_dynamo_compiling():
+        if where() is not Where.EAGER:
             return self.fn(*args, **kwargs)
         return self._eager(args, kwargs)
 
@@ -99,15 +97,7 @@ class _EagerFallback:
             scope = SCOPE.get() or DEFAULT_SCOPE
             label = self.owner if self.owner is not None else self.fn
             self.run, contexts = region_context_fn(
-                self.fn,
-                self.owner,
-                label,
-                scope,
-                args,
-                kwargs,
-                preserve_rng_state=self.preserve_rng_state,
-                context_fn=None,
-                save=as_policy(self.save),
+                self.fn, self.owner, label, scope, args, kwargs, self.options
             )
             self.contexts = contexts()
             with self.contexts[0]:
@@ -121,61 +111,37 @@ def compiled_region(
     owner: object | None,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    *,
-    preserve_rng_state: bool = True,
-    determinism_check: str = "default",
-    early_stop: bool = True,
-    debug: bool = False,
-    context_fn: ContextFn | None = None,
-    save: Any = None,
-    respect_saved_tensors_hooks: bool | None = None,
+    options: RegionOptions = DEFAULT_OPTIONS,
 ) -> Any:
-    """A region as compiled code runs it (NOTE [ torch.compile ]).
+    """A region as traced code runs it (``Path.COMPILED``, NOTE [ torch.compile ]).
 
-    ``save``: the ``save=`` sequence given to :func:`scopedckpt.checkpoint`, or
-    None for the innermost scope's policy.
+    ``options.save``: the ``save=`` sequence given to :func:`scopedckpt.checkpoint`,
+    or None for the innermost block's policy.
     """
-    eager: dict[str, Any] = dict(  # for the eager regions below
-        preserve_rng_state=preserve_rng_state,
-        determinism_check=determinism_check,
-        early_stop=early_stop,
-        debug=debug,
-        context_fn=context_fn,
-        save=save,
-        respect_saved_tensors_hooks=respect_saved_tensors_hooks,
-    )
-    if MIRROR.eager:
-        return region_outside_dynamo(fn, owner, args, kwargs, **eager)
-    if not MIRROR.regions or not torch.is_grad_enabled():
-        return fn(*args, **kwargs)
+    save = options.save
     if save is None:
-        save = eager["save"] = MIRROR.save  # a parsed policy (or None)
+        save = MIRROR.save  # a parsed policy (or None)
         key, modules = (-1, False) if save is None else (save.key, save.selects_modules)
+        if save is not None:
+            options = dataclasses.replace(options, save=save)  # for an eager region below
     else:
         key, modules = _traced_policy_info(save)
-    if modules or (key >= 0 and context_fn is not None):
+    if modules or (key >= 0 and options.context_fn is not None):
         # torch's compiled selective checkpointing decides per aten op only, and
         # takes one context_fn: an eager region (a graph break) does both.
-        return _eager_policy_region(fn, owner, args, kwargs, **eager)
-    options: dict[str, Any] = {}
-    # Only what differs from torch's defaults: dynamo handles fewer keywords.
-    if determinism_check != "default":
-        options["determinism_check"] = determinism_check
-    if debug:
-        options["debug"] = debug
-    if respect_saved_tensors_hooks is not None:
-        options["respect_saved_tensors_hooks"] = respect_saved_tensors_hooks
-    if context_fn is not None:
-        options["context_fn"] = context_fn
+        return _eager_policy_region(fn, owner, args, kwargs, options)
+    keywords = options.torch_keywords(compiled=True)
+    if options.context_fn is not None:
+        keywords["context_fn"] = options.context_fn
     elif key >= 0:
-        options["context_fn"] = functools.partial(compiled_contexts, key)
-    body = _EagerFallback(fn, owner, preserve_rng_state, save)
+        keywords["context_fn"] = functools.partial(compiled_contexts, key)
+    body = _EagerFallback(fn, owner, options)
     return torch_checkpoint.checkpoint(
         body,
         *args,
         use_reentrant=False,
-        preserve_rng_state=preserve_rng_state,
-        **options,
+        preserve_rng_state=options.preserve_rng_state,
+        **keywords,
         **kwargs,
     )
 
@@ -186,52 +152,14 @@ _traced_policy_info = torch.compiler.assume_constant_result(traced_policy_info)
 
 @torch.compiler.disable
 def _eager_policy_region(
-    fn: Callable[..., Any], owner: object | None, args: Any, kwargs: Any, **options: Any
+    fn: Callable[..., Any],
+    owner: object | None,
+    args: Any,
+    kwargs: Any,
+    options: RegionOptions,
 ) -> Any:
     """An eager region, body included, for a compiled call whose policy selects
     modules or comes with a context_fn (a graph break). It may run where no
     eager scope is active (a block entered inside the compiled function), so it
     brings one."""
-    return _region(fn, owner, args, kwargs, scope=SCOPE.get() or DEFAULT_SCOPE, **options)
-
-
-def _traced_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
-    inner = previous if previous is not None else functools.partial(type(module).forward, module)
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return compiled_region(inner, module, args, kwargs)
-
-    return forward
-
-
-def enter_traced(
-    modules: list[nn.Module], enabled: bool, save: SavePolicy | None
-) -> tuple[tuple[bool, Any], list[tuple[nn.Module, Any]]]:
-    """A ``checkpointing()`` block entered while dynamo traces: set the mirror and
-    patch the targets for the trace; returns what :func:`exit_traced` puts back.
-
-    Dynamo records both as side effects of the traced function and replays
-    only their net result (nothing) when the compiled code runs.
-    """
-    previous = MIRROR.regions, MIRROR.save
-    MIRROR.regions = enabled
-    if save is not None:
-        MIRROR.save = save
-    patched = []
-    for module in modules:
-        existing = module.__dict__.get("forward")
-        if getattr(existing, "__scopedckpt_patch__", False):
-            continue  # patched by a block entered outside the compiled function
-        module.__dict__["forward"] = _traced_forward(module, existing)
-        patched.append((module, existing))
-    return previous, patched
-
-
-def exit_traced(previous: tuple[bool, Any], patched: list[tuple[nn.Module, Any]]) -> None:
-    """Undo :func:`enter_traced`."""
-    MIRROR.regions, MIRROR.save = previous
-    for module, existing in patched:
-        if existing is None:
-            module.__dict__.pop("forward", None)
-        else:
-            module.__dict__["forward"] = existing
+    return _region(fn, owner, args, kwargs, options, scope=SCOPE.get() or DEFAULT_SCOPE)

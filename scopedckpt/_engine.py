@@ -48,7 +48,8 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from . import _guard, _report, _rng, _selective, _strict, _torch_private
-from ._policy import SavePolicy, as_policy
+from ._options import DEFAULT_OPTIONS, RegionOptions
+from ._policy import as_policy
 from ._state import (
     FRAME,
     SCOPE,
@@ -217,16 +218,14 @@ def region_context_fn(
     scope: Scope,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    *,
-    preserve_rng_state: bool,
-    context_fn: ContextFn | None,
-    save: SavePolicy | None = None,
+    options: RegionOptions,
 ) -> tuple[Callable[..., Any], ContextFn]:
     """Set up one region: the ``fn`` and ``context_fn`` to hand to torch's checkpoint.
 
-    Shared by :func:`checkpoint` and by torch's own ``checkpoint`` under
-    ``patch_torch_checkpoint``. A user's ``context_fn`` is entered inside ours.
-    ``save`` overrides the scope's policy (NOTE [ selective saving ]).
+    Shared by every path that makes an eager region, torch's own ``checkpoint``
+    under ``patch_torch_checkpoint`` included. The caller's ``options.context_fn`` is
+    entered inside ours; ``options.save`` overrides the scope's policy (NOTE
+    [ selective saving ]).
     """
     parent = FRAME.get()
     # A function is no identity: lambdas and bound methods are new objects at
@@ -239,7 +238,8 @@ def region_context_fn(
         forward = _EnterFrame(Phase.RECOMPUTE, tape, scope, owner, rewind=False)
     else:
         tape = Tape()
-        call = RegionCall(owner, label, scope, args, kwargs, preserve_rng_state, save)
+        save = as_policy(options.save)
+        call = RegionCall(owner, label, scope, args, kwargs, options.preserve_rng_state, save)
         acting, bit = 0, 1
         for mechanism in MECHANISMS:
             if mechanism.start_region(tape, call):
@@ -262,6 +262,7 @@ def region_context_fn(
     def ours() -> tuple[Any, Any]:
         return forward, recompute
 
+    context_fn = options.context_fn
     if context_fn is None or context_fn is _torch_private.NOOP_CONTEXT_FN:
         return fn, ours
     return fn, _torch_private.compose(ours, context_fn)
@@ -289,22 +290,15 @@ def _region(
     owner: object | None,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    options: RegionOptions = DEFAULT_OPTIONS,
     *,
-    preserve_rng_state: bool = True,
-    determinism_check: str = "default",
-    early_stop: bool = True,
-    debug: bool = False,
-    context_fn: ContextFn | None = None,
     scope: Scope | None = None,
     label: object = None,
-    save: Any = None,
-    respect_saved_tensors_hooks: bool | None = None,
 ) -> R:
-    """Run ``fn`` as a region if a scope is active and grad is on, else plainly.
+    """Run ``fn`` as an eager region if a scope is active and grad is on, else plainly.
 
     ``scope`` forces a scope where the caller has none (integrations);
-    ``label`` names the region in errors when it is not ``owner`` or ``fn``;
-    ``save`` (a ``save=`` sequence or a parsed policy) overrides the scope's policy.
+    ``label`` names the region in errors when it is not ``owner`` or ``fn``.
     """
     if scope is None:
         scope = SCOPE.get()
@@ -312,32 +306,21 @@ def _region(
         return fn(*args, **kwargs)
     if label is None:
         label = owner if owner is not None else fn
-    fn, contexts = region_context_fn(
-        fn,
-        owner,
-        label,
-        scope,
-        args,
-        kwargs,
-        preserve_rng_state=preserve_rng_state,
-        context_fn=context_fn,
-        save=as_policy(save),
-    )
-    options: dict[str, Any] = dict(
-        use_reentrant=False,
-        preserve_rng_state=False,  # we stash more generators ourselves (NOTE [ RNG replay ])
-        determinism_check=determinism_check,
-        early_stop=early_stop,
-    )
-    if respect_saved_tensors_hooks is not None:  # torch >= 2.14 (checkpoint() checked it)
-        options["respect_saved_tensors_hooks"] = respect_saved_tensors_hooks
+    fn, contexts = region_context_fn(fn, owner, label, scope, args, kwargs, options)
+    keywords = options.torch_keywords(compiled=False)
+    # We stash more generators than torch does ourselves (NOTE [ RNG replay ]).
+    keywords["preserve_rng_state"] = False
     token = OWN_CALL.set(True)
     try:
-        if _torch_private.checkpoint_debug_enabled(debug):
+        if _torch_private.checkpoint_debug_enabled(options.debug):
             # torch's debug mode is a context_fn of its own: ours rides along with it.
             with _torch_private.debug_composed(contexts):
-                return torch_checkpoint.checkpoint(fn, *args, debug=True, **options, **kwargs)
-        return torch_checkpoint.checkpoint(fn, *args, context_fn=contexts, **options, **kwargs)
+                return torch_checkpoint.checkpoint(
+                    fn, *args, use_reentrant=False, debug=True, **keywords, **kwargs
+                )
+        return torch_checkpoint.checkpoint(
+            fn, *args, use_reentrant=False, context_fn=contexts, **keywords, **kwargs
+        )
     finally:
         OWN_CALL.reset(token)
 

@@ -83,8 +83,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._module_state import count_call, enter, exit_, guarded, initialize_lazy, unwind
+from ._paths import Where, frame_entered, frame_left, where
 from ._selective import internal
-from ._state import FRAME, MIRROR, Frame, Phase, RegionCall, Tape
+from ._state import FRAME, Frame, Phase, RegionCall, Tape
 
 __all__ = [
     "FRAME_PHASES",
@@ -151,21 +152,21 @@ _post_outside_dynamo = torch.compiler.disable(_post)
 
 
 def _pre_hook(module: nn.Module, args: Any) -> None:
-    if torch.compiler.is_dynamo_compiling():
-        # NOTE [ the guard under dynamo ]: in compiled code the guard's work is
-        # never traced; with no eager frame in this thread there is none.
-        if MIRROR.eager:
-            _pre_outside_dynamo(module, args)
-        return
-    _pre(module, args)
+    here = where()
+    if here is Where.EAGER:
+        _pre(module, args)
+    elif here is Where.BREAK:
+        # NOTE [ the guard under dynamo ]: traced, the guard's work runs outside
+        # the graph; in a graph with no eager frame in this thread there is none.
+        _pre_outside_dynamo(module, args)
 
 
 def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
-    if torch.compiler.is_dynamo_compiling():
-        if MIRROR.eager:
-            _post_outside_dynamo(module, args, output)
-        return
-    _post(module, args, output)
+    here = where()
+    if here is Where.EAGER:
+        _post(module, args, output)
+    elif here is Where.BREAK:
+        _post_outside_dynamo(module, args, output)
 
 
 def begin(frame: Frame) -> None:
@@ -178,8 +179,7 @@ def begin(frame: Frame) -> None:
     running between regions (a compiled head) meets no hooks, and dynamo
     neither traces them nor recompiles when they come and go.
     """
-    MIRROR.frames += 1
-    MIRROR.eager = True
+    frame_entered()
     every_call = _every_call(frame)
     if frame.phase is Phase.RECOMPUTE and not every_call:
         modules = {id(s.module): s.module for s in frame.tape.states.values()}
@@ -211,8 +211,7 @@ def end(frame: Frame, *exc: object) -> None:
     try:
         unwind(frame)
     finally:
-        MIRROR.frames -= 1
-        MIRROR.eager = MIRROR.frames > 0
+        frame_left()
         if frame.hooks is not None:
             for handle in frame.hooks:
                 handle.remove()

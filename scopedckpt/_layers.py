@@ -17,8 +17,9 @@ from torch import Tensor, nn
 
 from . import functional as SF
 from ._module_state import self_guarded
+from ._paths import Where, where
 from ._selective import internal
-from ._state import MIRROR, Phase, tape_value
+from ._state import Phase, tape_value
 from ._torch_private import BatchNormBase, DropoutBase, check_input_dim
 
 __all__ = [
@@ -198,13 +199,14 @@ class _ScopedBatchNorm(BatchNormBase):
 
     @self_guarded  # its own recompute path: the buffer guard skips it (NOTE [ buffer guard ])
     def forward(self, input: Tensor) -> Tensor:
-        if torch.compiler.is_dynamo_compiling():
-            if not MIRROR.eager:
-                # torch's checkpoint operator updates the statistics once by
-                # itself (NOTE [ torch.compile ] in _compiled.py).
-                return super().forward(input)
-            return self._scoped_forward_outside_dynamo(input)
-        return self._scoped_forward(input)
+        here = where()
+        if here is Where.EAGER:
+            return self._scoped_forward(input)
+        if here is Where.GRAPH:
+            # torch's checkpoint operator updates the statistics once by
+            # itself (NOTE [ torch.compile ] in _compiled.py).
+            return super().forward(input)
+        return self._scoped_forward_outside_dynamo(input)
 
     def _scoped_forward(self, input: Tensor) -> Tensor:
         training, phase = tape_value("batch_norm", self, lambda: self.training)

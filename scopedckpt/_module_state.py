@@ -177,9 +177,8 @@ def enter(frame: Frame, module: nn.Module) -> int:
     swapped: list[Any] = []
     for name, before in record.buffers:
         swapped.append((name, module_buffers(module).get(name)))
-        module_buffers(module)[name] = (
-            before.clone()
-        )  # a copy: a later recompute needs `before` again
+        # A copy: a later recompute needs `before` again.
+        module_buffers(module)[name] = before.clone()
     current = _NONE
     if record.state is not _NONE:
         current = _snapshot(module)

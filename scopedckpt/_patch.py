@@ -56,6 +56,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from . import _torch_private
 from ._engine import OWN_CALL, REENTRANT_MESSAGE, layer_of, region_context_fn
 from ._errors import ScopedCkptError
+from ._options import RegionOptions
 from ._scope import decorate
 from ._state import DEFAULT_SCOPE, SCOPE, Scope
 from ._torch_private import PATH
@@ -107,8 +108,9 @@ def _generator_body(
         scope,
         args,
         kwargs,
-        preserve_rng_state=options["preserve_rng_state"],
-        context_fn=options["context_fn"],
+        RegionOptions(
+            preserve_rng_state=options["preserve_rng_state"], context_fn=options["context_fn"]
+        ),
     )
     debug_on = _torch_private.checkpoint_debug_enabled(options["debug"])
     options = dict(

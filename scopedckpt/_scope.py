@@ -9,12 +9,12 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
-import torch
 from torch import nn
 
-from . import _compiled, _targets
+from . import _targets
+from ._paths import Where, enter_block, exit_block, where
 from ._policy import SavePolicy, as_policy
-from ._state import MIRROR, SCOPE, Scope
+from ._state import SCOPE, Scope
 
 __all__ = ["checkpointing"]
 
@@ -24,14 +24,6 @@ Predicate = Callable[[str, nn.Module], bool]
 Target = nn.Module | type | Predicate
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
-
-
-def _count_enabled(delta: int) -> None:
-    """Keep this thread's ``MIRROR.regions`` (for compiled code) with the scopes:
-    an enabled block nested in an enabled one counts once."""
-    if delta:
-        MIRROR.enabled_blocks += delta
-        MIRROR.regions = MIRROR.enabled_blocks > 0
 
 
 class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing():``
@@ -139,9 +131,7 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         self._save_items = save
         self._save: SavePolicy | None = as_policy(save)
         self._modules, self._classes = _resolve(targets, root)
-        self._entries: list[
-            tuple[contextvars.Token[Scope | None], _targets.Patches, int, SavePolicy | None]
-        ] = []
+        self._entries: list[tuple[contextvars.Token[Scope | None], _targets.Patches, Any]] = []
         self._traced: list[tuple[tuple[bool, Any], list[tuple[nn.Module, Any]]]] = []
 
     def __repr__(self) -> str:
@@ -156,8 +146,8 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         return f"checkpointing({', '.join(parts)})"
 
     def __enter__(self) -> checkpointing:
-        if torch.compiler.is_dynamo_compiling():  # NOTE [ torch.compile ] in _compiled.py
-            self._traced.append(_compiled.enter_traced(self._modules, self._enabled, self._save))
+        if where() is not Where.EAGER:  # NOTE [ torch.compile ] in _compiled.py
+            self._traced.append(_targets.enter_traced(self._modules, self._enabled, self._save))
             return self
         parent = SCOPE.get()
         strict = self._strict
@@ -185,9 +175,8 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
             self._save if self._save is not None else (parent.save if parent else None),
         )
         delta = int(self._enabled) - int(parent is not None and parent.enabled)
-        self._entries.append((SCOPE.set(scope), patches, delta, MIRROR.save))
-        _count_enabled(delta)
-        MIRROR.save = scope.save
+        token = SCOPE.set(scope)
+        self._entries.append((token, patches, enter_block(delta, scope.save)))
         return self
 
     def __exit__(
@@ -196,15 +185,14 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if torch.compiler.is_dynamo_compiling():
-            _compiled.exit_traced(*self._traced.pop())
+        if where() is not Where.EAGER:
+            _targets.exit_traced(*self._traced.pop())
             return
-        token, patches, delta, save = self._entries.pop()
+        token, patches, mirrored = self._entries.pop()
         try:
             SCOPE.reset(token)
         finally:
-            _count_enabled(-delta)
-            MIRROR.save = save
+            exit_block(mirrored)
             patches.remove()
 
     def _fresh(self) -> checkpointing:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextvars
 import enum
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -212,29 +211,6 @@ SCOPE: contextvars.ContextVar[Scope | None] = contextvars.ContextVar(
 FRAME: contextvars.ContextVar[Frame | None] = contextvars.ContextVar(
     "scopedckpt_frame", default=None
 )
-
-
-class CompiledView(threading.local):
-    """What compiled code reads instead of the context variables above: this
-    thread's view of them.
-
-    Dynamo cannot read a ``ContextVar`` without a graph break, but it reads a
-    ``threading.local``'s attributes and guards on them per thread (one graph
-    per value). See NOTE [ torch.compile ] in ``_compiled.py``.
-    """
-
-    def __init__(self) -> None:
-        # Set per thread, on its first access. Instance attributes, not class
-        # attributes: dynamo guards on the instance's __dict__, and a first
-        # assignment would otherwise change it.
-        self.regions = False  # this thread is inside an enabled checkpointing() block
-        self.eager = False  # this thread runs an eager region frame
-        self.enabled_blocks = 0  # behind ``regions`` (eager code only)
-        self.frames = 0  # behind ``eager`` (eager code only)
-        self.save: Any = None  # the innermost block's _policy.SavePolicy, or None
-
-
-MIRROR = CompiledView()
 
 
 def describe(owner: object) -> str:

@@ -18,14 +18,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
-from ._compiled import compiled_region
 from ._engine import _region, current_region_owner
+from ._paths import Where, enter_traced_block, exit_traced_block, where
+from ._policy import SavePolicy
+from ._run import run_region
 from ._state import SCOPE
 
-__all__ = ["Patches", "install"]
+__all__ = ["Patches", "enter_traced", "exit_traced", "install"]
 
 # Re-entrant: a region's finalizer may release patches during a garbage
 # collection that starts while this thread holds the lock.
@@ -62,9 +63,9 @@ def _instance_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
     )
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_dynamo_compiling():  # NOTE [ torch.compile ] in _compiled.py
-            return compiled_region(inner, module, args, kwargs)
-        return _regioned(inner, module, args, kwargs)
+        if where() is Where.EAGER:
+            return _regioned(inner, module, args, kwargs)
+        return run_region(inner, module, args, kwargs)  # NOTE [ torch.compile ] in _compiled.py
 
     forward.__scopedckpt_patch__ = True  # type: ignore[attr-defined]
     return forward
@@ -73,9 +74,9 @@ def _instance_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
 def _class_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_dynamo_compiling():  # NOTE [ torch.compile ] in _compiled.py
-            return compiled_region(original.__get__(self), self, args, kwargs)
-        return _regioned(original.__get__(self), self, args, kwargs)
+        if where() is Where.EAGER:
+            return _regioned(original.__get__(self), self, args, kwargs)
+        return run_region(original.__get__(self), self, args, kwargs)  # NOTE [ torch.compile ]
 
     forward.__scopedckpt_patch__ = True  # type: ignore[attr-defined]
     return forward
@@ -159,3 +160,42 @@ def install(modules: tuple[nn.Module, ...], classes: tuple[type, ...]) -> Patche
             _PATCHES[id(holder)] = _Patch(1, holder, previous)
             patches.holders.append(holder)
     return patches
+
+
+def _traced_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
+    inner = previous if previous is not None else functools.partial(type(module).forward, module)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return run_region(inner, module, args, kwargs)
+
+    return forward
+
+
+def enter_traced(
+    modules: list[nn.Module], enabled: bool, save: SavePolicy | None
+) -> tuple[tuple[bool, Any], list[tuple[nn.Module, Any]]]:
+    """A ``checkpointing()`` block entered while dynamo traces: set the mirror and
+    patch the targets for the trace; returns what :func:`exit_traced` puts back.
+
+    Dynamo records both as side effects of the traced function and replays
+    only their net result (nothing) when the compiled code runs.
+    """
+    previous = enter_traced_block(enabled, save)
+    patched = []
+    for module in modules:
+        existing = module.__dict__.get("forward")
+        if getattr(existing, "__scopedckpt_patch__", False):
+            continue  # patched by a block entered outside the compiled function
+        module.__dict__["forward"] = _traced_forward(module, existing)
+        patched.append((module, existing))
+    return previous, patched
+
+
+def exit_traced(previous: tuple[bool, Any], patched: list[tuple[nn.Module, Any]]) -> None:
+    """Undo :func:`enter_traced`."""
+    exit_traced_block(previous)
+    for module, existing in patched:
+        if existing is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.__dict__["forward"] = existing

@@ -37,7 +37,8 @@ from torch import Tensor
 
 from ._errors import ScopedCkptError
 from ._mask import Mask, masked_dropout
-from ._state import FRAME, MIRROR, Phase, describe, tape_value
+from ._paths import Where, where
+from ._state import FRAME, Phase, describe, tape_value
 from ._strict import scoped_draws
 
 __all__ = [
@@ -118,8 +119,9 @@ def _dropout(
             "for element-wise dropout."
         )
     seeded = _seeded_dropout
-    if torch.compiler.is_dynamo_compiling():
-        if not MIRROR.eager and generator is None:
+    here = where()
+    if here is not Where.EAGER:
+        if here is Where.GRAPH and generator is None:
             # Inductor's generator, replayed by torch's checkpoint operator
             # (NOTE [ torch.compile ] in _compiled.py).
             out_of_place, in_place = _TORCH_OPS[feature, alpha]

@@ -18,7 +18,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import scopedckpt
-from scopedckpt._state import MIRROR
+from scopedckpt._paths import MIRROR
 
 pytestmark = [
     pytest.mark.slow,

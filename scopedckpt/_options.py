@@ -1,0 +1,59 @@
+"""A region call's options: one frozen value, from the public call to torch's checkpoint.
+
+Every way of making a region (:func:`scopedckpt.checkpoint`,
+``checkpoint_sequential``, module targets, the integrations, torch's own
+``checkpoint`` under ``patch_torch_checkpoint``) builds one
+:class:`RegionOptions` and hands it down; each layer reads the fields it
+needs, and only :meth:`RegionOptions.torch_keywords` says how they reach
+torch. Dynamo traces its construction (a frozen dataclass) as constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ._torch_private import ContextFn
+
+__all__ = ["DEFAULT_OPTIONS", "RegionOptions"]
+
+
+@dataclass(frozen=True)
+class RegionOptions:
+    """The keywords of :func:`scopedckpt.checkpoint` that shape a region.
+
+    Example
+    -------
+    >>> from scopedckpt._options import RegionOptions
+    >>> RegionOptions(determinism_check="none").torch_keywords(compiled=True)
+    {'determinism_check': 'none'}
+    """
+
+    preserve_rng_state: bool = True
+    determinism_check: str = "default"
+    early_stop: bool = True
+    debug: bool = False
+    context_fn: ContextFn | None = None  # the caller's, entered inside scopedckpt's
+    save: Any = None  # a save= sequence or a parsed _policy.SavePolicy; None: the scope's
+    respect_saved_tensors_hooks: bool | None = None  # torch >= 2.14; None: torch's default
+
+    def torch_keywords(self, *, compiled: bool) -> dict[str, Any]:
+        """The keywords torch's checkpoint takes besides ``use_reentrant``, ``context_fn``
+        and ``preserve_rng_state``, which each path sets itself.
+
+        ``compiled``: only those that differ from torch's defaults (dynamo handles
+        fewer keywords); otherwise all of them.
+        """
+        keywords: dict[str, Any] = {}
+        if not compiled or self.determinism_check != "default":
+            keywords["determinism_check"] = self.determinism_check
+        if not compiled:  # compiled regions recompute in the backward graph, whole
+            keywords["early_stop"] = self.early_stop
+        if compiled and self.debug:
+            keywords["debug"] = True
+        if self.respect_saved_tensors_hooks is not None:  # torch >= 2.14 (checked by checkpoint())
+            keywords["respect_saved_tensors_hooks"] = self.respect_saved_tensors_hooks
+        return keywords
+
+
+DEFAULT_OPTIONS = RegionOptions()
