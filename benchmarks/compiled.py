@@ -1,4 +1,7 @@
-"""The compiled section of the benchmark: ``python benchmarks/run.py --compiled``.
+"""The compiled section of the benchmark: eager configurations under ``torch.compile``.
+
+Run as ``python -m benchmarks.compiled [--quick]`` (or ``python -m benchmarks.run
+--compiled``); writes ``benchmarks/results/compiled.json``.
 
 Configurations, each model wrapped in ``torch.compile`` (inductor, CPU):
   (a) plain torch layers, no checkpointing
@@ -13,6 +16,8 @@ step, and whether (b) equals (a) and (c) equals (d) bitwise over those five step
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -23,6 +28,8 @@ from torch._dynamo.utils import counters
 
 import scopedckpt
 
+from . import RESULTS, THREADS, models
+
 CONFIGS = ("a", "b", "c", "d")
 NAMES = {
     "a": "compiled, no checkpoint",
@@ -30,18 +37,6 @@ NAMES = {
     "c": "compiled scopedckpt",
     "d": "compiled scoped layers, no ckpt",
 }
-
-
-def issue_mlp(blocks_module: type, depth: int = 4) -> tuple[nn.Module, torch.Tensor]:
-    """The model of the compile issue: Linear(256)-BatchNorm1d-GELU-Dropout-Linear blocks."""
-    w = 256
-    blocks = [
-        nn.Sequential(
-            nn.Linear(w, w), nn.BatchNorm1d(w), nn.GELU(), nn.Dropout(0.1), nn.Linear(w, w)
-        )
-        for _ in range(depth)
-    ]
-    return blocks_module(blocks, nn.Identity(), nn.Linear(w, 10)), torch.randn(128, w)
 
 
 def _build(
@@ -125,9 +120,9 @@ def measure(name: str, factory: Callable[[], tuple[nn.Module, torch.Tensor]], re
 
 
 def run(
-    models: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]], repeats: int
+    factories: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]], repeats: int
 ) -> list[dict]:
-    rows = [measure(name, factory, repeats) for name, factory in models.items()]
+    rows = [measure(name, factory, repeats) for name, factory in factories.items()]
     print(
         f"\ncompiled (inductor), ms per step, median of {repeats} interleaved repeats; graphs and "
         "breaks over 5 steps with new seeds:"
@@ -148,3 +143,27 @@ def run(
             + f"{r['b == a']!s:>6}{r['c == d']!s:>6}"
         )
     return rows
+
+
+def main(quick: bool) -> None:
+    """Every model compiled in each configuration; writes ``results/compiled.json``."""
+    depth = 4 if quick else 8
+    factories = {
+        # The compile issue's model: Linear(256)-BatchNorm1d-GELU-Dropout-Linear blocks.
+        "issue mlp x4": lambda: models.small_mlp(4),
+        f"mlp x{depth}": lambda: models.mlp(depth),
+        f"transformer x{depth}": lambda: models.transformer(depth),
+        f"cnn x{depth}": lambda: models.cnn(depth),
+    }
+    rows = run(factories, repeats=5 if quick else 21)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "compiled.json").write_text(
+        json.dumps({"rows": rows, "quick": quick, "torch": torch.__version__}, indent=2)
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="4 blocks, 5 repeats")
+    torch.set_num_threads(THREADS)
+    main(parser.parse_args().quick)

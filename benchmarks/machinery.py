@@ -1,13 +1,13 @@
 """scopedckpt's per-region Python, timed inside real training steps and in a tight loop.
 
-Run by ``python benchmarks/run.py`` (the breakdown section), or alone::
+Run by ``python -m benchmarks.run`` (the breakdown section), or alone::
 
-    python benchmarks/machinery.py
+    python -m benchmarks.machinery
 
-Why: ``timeit`` put the buffer guard's global hook and the region set-up at a
-few microseconds per region, while step-level comparisons (breakdown.small_op_gap)
-put them at tens. This times the same functions both ways on the converted
-small-op MLP:
+Why: ``timeit`` puts the buffer guard's global hook and the region set-up at a few
+microseconds per region, while step-level comparisons (``breakdown.small_op_gap``)
+put them at tens. This times the same functions both ways on the converted small-op
+MLP:
 
 * *in a step*: each function wrapped with ``time.perf_counter_ns`` while whole
   training steps run, summed and divided by the regions run (the wrapper's own
@@ -21,31 +21,20 @@ than in a loop that keeps it in the caches.
 
 from __future__ import annotations
 
+import argparse
 import functools
-import sys
 import time
 import timeit
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from scopedckpt import _engine, _guard
-from scopedckpt._state import FRAME, Scope
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-# What runs per region, by name: (owner, attribute).
-PIECES: dict[str, tuple[Any, str]] = {
-    "region set-up (region_context_fn)": (_engine, "region_context_fn"),
-    "frame entries (forward, recompute)": (_engine._EnterFrame, "__enter__"),
-    "frame exits (forward, recompute)": (_engine._EnterFrame, "__exit__"),
-    "the buffer guard's hook (per module call)": (_guard, "_pre_hook"),
-}
+from . import models
+from .internals import PIECES, RegionPieces
 
 
 @contextmanager
@@ -91,54 +80,30 @@ def _in_a_loop(number: int) -> dict[str, float]:
     """Microseconds per call of each piece, called back to back."""
     block = nn.Sequential(nn.Linear(256, 256), nn.GELU())
     x = torch.randn(128, 256, requires_grad=True)
-    scope = Scope(enabled=True, strict=False)
-    linear = block[0]
+    pieces = RegionPieces(block, x)
 
-    def set_up() -> None:
-        _engine.region_context_fn(
-            block, None, block, scope, (x,), {}, preserve_rng_state=True, context_fn=None
-        )
-
-    # A plain region's first-forward context, with the mechanisms its tape lists.
-    forward = _engine.region_context_fn(
-        block, None, block, scope, (x,), {}, preserve_rng_state=True, context_fn=None
-    )[1]()[0]
-
-    def enter() -> None:
-        forward.__enter__()
-        forward.__exit__(None, None, None)
-
-    def hook() -> None:
-        _guard._pre_hook(linear, (x,))
-
-    def per_call(function: Callable[[], None]) -> float:
+    def per_call(function: Callable[[], object]) -> float:
         return min(timeit.repeat(function, number=number, repeat=5)) / number * 1e6
 
-    result = {"region set-up (region_context_fn)": per_call(set_up)}
-    both = per_call(enter)  # an entry and an exit; split as measured in steps below
-    result["frame entry + exit"] = both
-    forward.__enter__()
-    try:
-        assert FRAME.get() is not None
-        result["the buffer guard's hook (per module call)"] = per_call(hook)
-    finally:
-        forward.__exit__(None, None, None)
+    result = {"region set-up (region_context_fn)": per_call(pieces.set_up)}
+    # An entry and an exit; split as measured in steps below.
+    result["frame entry + exit"] = per_call(pieces.enter_and_exit)
+    with pieces.in_frame():
+        result["the buffer guard's hook (per module call)"] = per_call(pieces.hook(block[0]))
     return result
 
 
 def machinery(depth: int = 8, steps: int = 100) -> dict[str, float]:
     """Microseconds per region of each piece in steps of the converted small-op MLP,
     and in a loop, and their ratio."""
-    import run
-
-    model, x = run.build("small_mlp", depth, "c")
+    model, x = models.build("small_mlp", depth, "c")
     for _ in range(5):
-        run.step(model, x)
+        models.step(model, x)
     totals: Counter[str] = Counter()
     calls: Counter[str] = Counter()
     with _timed(PIECES, totals, calls):
         for _ in range(steps):
-            run.step(model, x)
+            models.step(model, x)
     overhead = _wrapper_ns()
     regions = calls["region set-up (region_context_fn)"]
     in_step = {name: (totals[name] - overhead * calls[name]) / regions / 1e3 for name in PIECES}
@@ -167,7 +132,15 @@ def machinery(depth: int = 8, steps: int = 100) -> dict[str, float]:
     return result
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """``python -m benchmarks.machinery [--quick]``: print :func:`machinery`, two threads."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="10 steps instead of 100")
+    args = parser.parse_args()
     torch.set_num_threads(2)
-    for key, value in machinery().items():
+    for key, value in machinery(steps=10 if args.quick else 100).items():
         print(f"  {key:<60}{value:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,9 +1,9 @@
 """Real models: is checkpointed training bit-for-bit plain training?
 
-Run by hand (not part of the test suite)::
+Run by hand from the repository root (not part of the test suite)::
 
     pip install -e ".[real]" && pip install --no-deps timm==1.0.31
-    python benchmarks/real_models.py
+    python -m benchmarks.real_models
 
 Tiny, randomly initialised models from configs (nothing is downloaded) with dropout,
 attention dropout and stochastic depth on: the families tests/test_real_models.py
@@ -25,42 +25,33 @@ model is a different, equally valid, random stream from the model as shipped; th
 column compares (a') with (a)). Compared after every step, with ``torch.equal``:
 outputs, loss, every gradient, every buffer, torch's global RNG state and the updated
 parameters. A cell says ``bitwise``, the first tensor that differs, or the error.
-The models are the builders of tests/real_models.py, imported from there so that the
-table and the tests cover the same families (hence pytest is needed: a builder whose
-package is missing skips, and the family is listed as skipped).
+The models are the builders of :mod:`benchmarks.real_families`, which
+tests/test_real_models.py trains too, so the table and the tests cover the same
+families; a family whose package is missing is listed as skipped.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import time
-import warnings
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it
-
-import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor, nn
 
 import scopedckpt
 
+from .real_families import FAMILIES as BUILDERS
+from .real_families import Built, convert_quietly, hf_gpt2
+from .real_imports import UnavailableError
+
 STEPS = 3
 LR = 0.01
 
 
 # ------------------------------------------------------------------------- families
-# The very builders tests/test_real_models.py trains, so the table and the tests
-# cover the same models; each calls pytest.skip when its package is missing.
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.real_models import FAMILIES as BUILDERS  # noqa: E402
-from tests.real_models import Built, hf_gpt2  # noqa: E402
-
+# The table's rows: every family of the tests, and GPT-2 with its cache on.
 FAMILIES: dict[str, Callable[[], Built]] = {
     "HF BERT, eager": BUILDERS["hf-bert-eager"],
     "HF BERT, sdpa": BUILDERS["hf-bert-sdpa"],
@@ -120,9 +111,7 @@ def train(built: Built, method: str) -> list[tuple[str, Tensor]]:
     """STEPS SGD steps from seed 0; every tensor worth comparing, in order."""
     model, record = built.model, []
     if method in ("convert", "convert-plain"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            scopedckpt.convert(model)
+        convert_quietly(model)
     elif method == "torch":
         enable_torch_checkpoint(built)
     model.train()
@@ -178,8 +167,8 @@ def main() -> None:
     for label, build in FAMILIES.items():
         try:
             plain = train(build(), "plain")
-        except pytest.skip.Exception as skip:  # the builders skip when a package is missing
-            notes.append(f"skipped {label}: {skip.msg}")
+        except UnavailableError as missing:
+            notes.append(f"skipped {label}: {missing}")
             continue
         converted = train(build(), "convert-plain")
         cells = []

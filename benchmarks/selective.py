@@ -1,4 +1,8 @@
-"""The selective-saving section of the benchmark: ``python benchmarks/run.py --selective``.
+"""The selective-saving section of the benchmark: memory against time for each save policy.
+
+Run as ``python -m benchmarks.selective [--quick]`` (or ``python -m benchmarks.run
+--selective``); writes ``benchmarks/results/selective.json`` and ``selective.png``
+(``--replot`` redraws the plot from the JSON alone).
 
 For each model (converted, one region per block), the memory/time trade-off of:
   none             scoped layers, no checkpointing
@@ -19,19 +23,23 @@ same layers without checkpointing.
 
 from __future__ import annotations
 
+import argparse
 import functools
+import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-import heap
 import torch
 import torch.utils.checkpoint as tc
 from torch import nn
 
 import scopedckpt
 from scopedckpt import policies
+
+from . import RESULTS, THREADS, heap, models
 
 PRESETS = ("save_matmuls", "save_attention", "save_convolutions", "save_compute")
 
@@ -140,37 +148,40 @@ def measure(
     model.mode = "a"  # type: ignore[assignment]
     ops = _model_ops(model, x)
     configs = configurations(ops)
-    models = {}
+    built = {}
     for config, how in configs.items():
         torch.manual_seed(0)
         m, _ = build()
         m.mode = "a"  # type: ignore[assignment]
-        models[config] = m if how == "torch" else scopedckpt.convert(m)
+        built[config] = m if how == "torch" else scopedckpt.convert(m)
     for config, how in configs.items():  # warm-up
-        _step(models[config], x, how)
+        _step(built[config], x, how)
     times: dict[str, list[float]] = {c: [] for c in configs}
     order = list(configs)
     for r in range(repeats):
         shift = r % len(order)
         for config in order[shift:] + order[:shift]:
             start = time.perf_counter()
-            _step(models[config], x, configs[config])
+            _step(built[config], x, configs[config])
             times[config].append(time.perf_counter() - start)
     points = {}
     for config, how in configs.items():
-        peak = heap.peak_in_use(lambda m=models[config], h=how: _step(m, x, h))
+        peak = heap.peak_in_use(lambda m=built[config], h=how: _step(m, x, h))
         points[config] = {
             "ms": statistics.median(times[config]) * 1e3,
-            "kept_mib": _kept_by_forward(models[config], x, how) / 2**20,
+            "kept_mib": _kept_by_forward(built[config], x, how) / 2**20,
             "peak_heap_mib": peak / 2**20,
             "bitwise_vs_plain": _exact(build, how) if how != "none" else True,
         }
     return {"model": name, "points": points}
 
 
-def run(models: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]], repeats: int) -> list[Any]:
+def run(
+    factories: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]], repeats: int
+) -> list[Any]:
+    """Measure every model, print the table, return its rows."""
     rows = []
-    for name, build in models.items():
+    for name, build in factories.items():
         rows.append(measure(name, build, repeats))
     print(
         f"\n{'model':<16}{'configuration':<19}{'ms/step':>9}{'time/full':>10}"
@@ -188,7 +199,8 @@ def run(models: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]], repeats
     return rows
 
 
-def plot(rows: list[dict[str, Any]], path: Any) -> None:
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Heap kept by the forward against step time, a panel per model."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -218,9 +230,32 @@ def plot(rows: list[dict[str, Any]], path: Any) -> None:
     fig.savefig(path, dpi=100)
 
 
-if __name__ == "__main__":  # redraw the plot from the last run's results
-    import json
-    from pathlib import Path
+def main(quick: bool) -> None:
+    """Every model's trade-off; writes ``results/selective.json`` and the plot."""
+    depth = 4 if quick else 8
+    factories = {
+        f"mlp x{depth}": lambda: models.mlp(depth),
+        f"transformer x{depth}": lambda: models.transformer(depth),
+        f"cnn x{depth}": lambda: models.cnn(depth),
+        "wide_mlp x4": lambda: models.wide_mlp(4),
+    }
+    rows = run(factories, repeats=3 if quick else 11)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "selective.json").write_text(
+        json.dumps({"rows": rows, "quick": quick, "torch": torch.__version__}, indent=2)
+    )
+    plot(rows, RESULTS / "selective.png")
 
-    results = Path(__file__).resolve().parent / "results"
-    plot(json.loads((results / "selective.json").read_text())["rows"], results / "selective.png")
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="4 blocks, 3 repeats")
+    parser.add_argument("--replot", action="store_true", help="only redraw the plot")
+    args = parser.parse_args()
+    if args.replot:
+        plot(
+            json.loads((RESULTS / "selective.json").read_text())["rows"], RESULTS / "selective.png"
+        )
+    else:
+        torch.set_num_threads(THREADS)
+        main(args.quick)

@@ -1,28 +1,28 @@
 """The small-op MLP's ratios under each OpenMP thread setting, one subprocess each.
 
-Run alone (about two minutes; writes ``benchmarks/results/threads.json``)::
+Run alone (writes ``benchmarks/results/threads.json``)::
 
-    python benchmarks/threads.py
+    python -m benchmarks.threads [--quick]
 
-Why: on these 2-core machines the small-op MLP's (c)/(b) moved between runs by
-more than anything scopedckpt changed, and ATen's CPU kernels run in OpenMP
-parallel regions whose worker thread spins, then sleeps, between kernels, so
-how long Python runs between kernels could change what every kernel costs.
-This measures whether the thread setting moves the ratio. Each setting is a
-fresh process (libgomp reads its environment once), timing (a)-(d)
-interleaved on the small-op MLP at 8 blocks as ``run.py`` does.
+Why: ATen's CPU kernels run in OpenMP parallel regions whose worker thread spins,
+then sleeps, between kernels, so how long Python runs between kernels could change
+what every kernel costs, and with it the small-op MLP's (c)/(b). This measures
+whether the thread setting moves the ratio. Each setting is a fresh process (libgomp
+reads its environment once), timing (a)-(d) interleaved on the small-op MLP at 8
+blocks, as ``run.py``'s table times them.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
+from . import RESULTS, ROOT
+
 SETTINGS: dict[str, dict[str, str]] = {
     "1 thread": {"OMP_NUM_THREADS": "1"},
     "2 threads (default spin, then sleep)": {"OMP_NUM_THREADS": "2"},
@@ -38,14 +38,13 @@ SETTINGS: dict[str, dict[str, str]] = {
 
 
 def _child(depth: int, rounds: int) -> dict[str, float]:
-    sys.path.insert(0, str(HERE))
     # Imported in the child only: each setting needs a fresh process.
-    import run
-    from breakdown import interleaved
+    from . import models
+    from .timing import interleaved
 
-    models = {c: run.build("small_mlp", depth, c) for c in ("a", "b", "c", "d")}
+    built = {c: models.build("small_mlp", depth, c) for c in ("a", "b", "c", "d")}
     median = interleaved(
-        {c: (lambda m=m: run.step(*m)) for c, m in models.items()}, calls=1, rounds=rounds
+        {c: (lambda m=m: models.step(*m)) for c, m in built.items()}, calls=1, rounds=rounds
     )
     return {
         "(c)/(b)": median["c"] / median["b"],
@@ -56,14 +55,16 @@ def _child(depth: int, rounds: int) -> dict[str, float]:
 
 
 def main(depth: int = 8, rounds: int = 100) -> dict[str, Any]:
+    """Every setting in its own subprocess; prints and returns each one's ratios."""
     results: dict[str, Any] = {}
     for name, env in SETTINGS.items():
         out = subprocess.run(
-            [sys.executable, __file__, "--child", str(depth), str(rounds)],
+            [sys.executable, "-m", "benchmarks.threads", "--child", str(depth), str(rounds)],
             env={**os.environ, **env},
             capture_output=True,
             text=True,
             check=True,
+            cwd=ROOT,
         )
         results[name] = json.loads(out.stdout.strip().splitlines()[-1])
         row = results[name]
@@ -75,8 +76,13 @@ def main(depth: int = 8, rounds: int = 100) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--child"]:
-        print(json.dumps(_child(int(sys.argv[2]), int(sys.argv[3]))))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="5 rounds, results not written")
+    parser.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(_child(*args.child)))
+    elif args.quick:
+        main(rounds=5)
     else:
-        results = main()
-        (HERE / "results" / "threads.json").write_text(json.dumps(results, indent=2) + "\n")
+        (RESULTS / "threads.json").write_text(json.dumps(main(), indent=2) + "\n")

@@ -1,32 +1,27 @@
 """Step times with each configuration in its own process, timed in interleaved rounds.
 
-Used by ``run.py`` for the step-time table. Why processes: with every configuration
-in one process, a configuration's step meets the heap the others left behind. glibc
-hands large blocks back to the kernel (its dynamic mmap threshold, and trimming the
-top of the heap) depending on the order and sizes of earlier frees, and every page it
-hands back faults again when touched: on the MLP at 8 blocks a step took 1,000-2,800
-minor page faults depending on the configuration and on what ran before, under 100 with
-``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` fixed. A cell's ratios then
-depended on which cells and configurations ran before it in the process (the MLP at
-16 blocks measured 0.90 in one full run and 1.00 in the next). A worker per
-configuration keeps each heap to its own steps, as in real training, while the rounds
-stay interleaved, so that the machine's drift still hits every configuration alike.
+Used by :mod:`benchmarks.run` for the step-time table. Why processes: in one process, a
+configuration's step meets the heap the others left behind. glibc hands large blocks
+back to the kernel (its dynamic mmap threshold, and trimming the top of the heap)
+depending on the order and sizes of earlier frees, and every page it hands back faults
+again when touched, so a cell's ratios would depend on which cells and configurations
+ran before it. A worker per configuration keeps each heap to its own steps, as in real
+training, while the rounds stay interleaved, so that the machine's drift still hits
+every configuration alike. Each timed step's minor page faults are reported with it.
 
-The workers live for the whole sweep, each building every cell's model in turn (a
-worker per configuration per cell cost about 10 s of start-up, as much as the cell's
-steps). Each turn runs ``STEPS_PER_TURN`` steps back to back and keeps the last one's time:
-the first step of a turn finds the caches full of another process's data (about 6 ms
-slower on the MLP at 8 blocks), which depends on the other configurations again.
+The workers live for the whole sweep, each building every cell's model in turn (so a
+sweep pays one process start-up per configuration, not per cell). Each turn runs
+``STEPS_PER_TURN`` steps back to back and keeps the last one's time: the first step of
+a turn finds the caches full of another process's data, which depends on the other
+configurations again.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import resource
-import sys
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -38,22 +33,25 @@ def _serve(conn: Connection, config: str, threads: int) -> None:
     """A worker: build models of one configuration and step them when told to."""
     import torch
 
-    torch.set_num_threads(threads)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import run
+    from . import models
 
+    torch.set_num_threads(threads)
     built: Any = None
     while (message := conn.recv()) is not None:
         if message[0] == "build":
             built = None  # free the last cell's model first
-            built = run.build(message[1], message[2], config)
-            run.step(*built)  # warm-up
-            conn.send({"saved_bytes": run.saved_bytes(*built), "dropouts": run.dropouts(built[0])})
+            built = models.build(message[1], message[2], config)
+            models.step(*built)  # warm-up
+            facts = {
+                "saved_bytes": models.saved_bytes(*built),
+                "dropouts": models.dropouts(built[0]),
+            }
+            conn.send(facts)
             continue
         for _ in range(message[1]):
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
-            run.step(*built)
+            models.step(*built)
             seconds = time.perf_counter() - start
         conn.send((seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults))
 
@@ -107,7 +105,7 @@ class StepWorkers:
         saves for backward (``saved_bytes``) and its dropout layers (``dropouts``).
 
         Only one worker steps at a time, in rotating order (as
-        ``breakdown.interleaved_rounds``).
+        ``timing.interleaved_rounds``).
         """
         conns = self._conns
         for config in self.configs:

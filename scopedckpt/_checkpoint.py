@@ -11,7 +11,7 @@ import torch
 from . import _torch_private
 from ._engine import REENTRANT_MESSAGE, ContextFn
 from ._errors import ScopedCkptError
-from ._options import RegionOptions
+from ._options import DEFAULT_OPTIONS, RegionOptions
 from ._run import run_region
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
@@ -134,15 +134,26 @@ def checkpoint(
             f"scopedckpt: checkpoint(respect_saved_tensors_hooks=...) needs torch >= 2.14; "
             f"torch {torch.__version__} has no such keyword. Leave it unset."
         )
-    options = RegionOptions(
-        preserve_rng_state,
-        determinism_check,
-        early_stop,
-        debug,
-        context_fn,
-        save,
-        respect_saved_tensors_hooks,
-    )
+    if (
+        preserve_rng_state
+        and determinism_check == "default"
+        and early_stop
+        and not debug
+        and context_fn is None
+        and save is None
+        and respect_saved_tensors_hooks is None
+    ):
+        options = DEFAULT_OPTIONS  # built once, its torch keywords too
+    else:
+        options = RegionOptions(
+            bool(preserve_rng_state),
+            determinism_check,
+            bool(early_stop),
+            bool(debug),
+            context_fn,
+            save,
+            respect_saved_tensors_hooks,
+        )
     return run_region(fn, None, args, kwargs, options)
 
 

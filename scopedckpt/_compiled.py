@@ -67,7 +67,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from ._engine import _region, region_context_fn
 from ._options import DEFAULT_OPTIONS, RegionOptions
-from ._paths import MIRROR, Where, where
+from ._paths import EAGER, MIRROR, where
 from ._policy import compiled_contexts, traced_policy_info
 from ._state import DEFAULT_SCOPE, SCOPE
 
@@ -86,7 +86,7 @@ class _EagerFallback:
         self.run = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if where() is not Where.EAGER:
+        if where() is not EAGER:
             return self.fn(*args, **kwargs)
         return self._eager(args, kwargs)
 

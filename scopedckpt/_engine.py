@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import weakref
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
@@ -50,16 +49,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from . import _guard, _report, _rng, _selective, _strict, _torch_private
 from ._options import DEFAULT_OPTIONS, RegionOptions
 from ._policy import as_policy
-from ._state import (
-    FRAME,
-    SCOPE,
-    Frame,
-    Phase,
-    Record,
-    RegionCall,
-    Scope,
-    Tape,
-)
+from ._state import FORWARD, FRAME, RECOMPUTE, SCOPE, Frame, Phase, Record, RegionCall, Scope, Tape
 
 __all__ = ["MECHANISMS", "Mechanism", "region_context_fn", "register_mechanism"]
 
@@ -120,7 +110,7 @@ def _frame_plan(acting: int) -> FramePlan:
         used = [m for i, m in enumerate(MECHANISMS) if acting >> i & 1]
         plan = _PLANS[acting] = tuple(
             tuple(m.enter_frame for m in used if phase in m.FRAME_PHASES)
-            for phase in (Phase.FORWARD, Phase.RECOMPUTE)
+            for phase in (FORWARD, RECOMPUTE)
         )
     return plan
 
@@ -159,6 +149,17 @@ class _EnterFrame:
     own tokens and builds its own frame (cursor 0) on the shared tape.
     """
 
+    __slots__ = (
+        "_entries",
+        "_mechanisms",
+        "_owner",
+        "_phase",
+        "_rewind",
+        "_scope",
+        "_tape",
+        "holds",
+    )
+
     def __init__(
         self, phase: Phase, tape: Tape, scope: Scope, owner: object | None, *, rewind: bool
     ) -> None:
@@ -168,14 +169,21 @@ class _EnterFrame:
         self._owner = owner
         self._rewind = rewind
         self._mechanisms = (
-            tape.forward_mechanisms if phase is Phase.FORWARD else tape.recompute_mechanisms
+            tape.forward_mechanisms if phase is FORWARD else tape.recompute_mechanisms
         )
         self._entries: list[
             tuple[contextvars.Token[Scope | None], contextvars.Token[Frame | None], list[Undo]]
         ] = []
+        # Holds on module target patches (_targets.Patches), released when torch frees
+        # the region, with this context.
+        self.holds: tuple[Any, ...] = ()
+
+    def __del__(self) -> None:
+        for patches in self.holds:
+            patches.remove()
 
     def __enter__(self) -> None:
-        if self._phase is Phase.RECOMPUTE:
+        if self._phase is RECOMPUTE:
             COUNTERS.recomputes += 1
         frame = Frame(self._phase, self._tape, self._scope, self._owner, self._rewind)
         scope_token, frame_token = SCOPE.set(self._scope), FRAME.set(frame)
@@ -231,11 +239,11 @@ def region_context_fn(
     # A function is no identity: lambdas and bound methods are new objects at
     # every call, so only module-owned regions check their owner on replay.
     owner_id = None if owner is None else id(owner)
-    if parent is not None and parent.phase is Phase.RECOMPUTE:
+    if parent is not None and parent.phase is RECOMPUTE:
         # The parent is being recomputed: this nested region already ran once
         # and its tape is the next record of the parent (NOTE [ tape ]).
         tape = parent.take(_REGION, owner_id, label).value
-        forward = _EnterFrame(Phase.RECOMPUTE, tape, scope, owner, rewind=False)
+        forward = _EnterFrame(RECOMPUTE, tape, scope, owner, rewind=False)
     else:
         tape = Tape()
         save = as_policy(options.save)
@@ -248,15 +256,15 @@ def region_context_fn(
         tape.forward_mechanisms, tape.recompute_mechanisms = _frame_plan(acting)
         if parent is not None:
             parent.tape.records.append(Record(_REGION, owner_id, label, tape))
-        forward = _EnterFrame(Phase.FORWARD, tape, scope, owner, rewind=False)
-    recompute = _EnterFrame(Phase.RECOMPUTE, tape, scope, owner, rewind=True)
+        forward = _EnterFrame(FORWARD, tape, scope, owner, rewind=False)
+    recompute = _EnterFrame(RECOMPUTE, tape, scope, owner, rewind=True)
     if isinstance(owner, torch.nn.Module):
         # The owner's forward runs inside the region without __call__: guard it here.
         fn = _guard.guarded_call(owner, fn)
-    for patches in scope.patches:
+    if scope.patches:
         # Keep module targets patched until torch frees this region: its
         # recompute must find nested targets patched (see _targets.Patches).
-        weakref.finalize(recompute, patches.share().remove)
+        recompute.holds = tuple(patches.share() for patches in scope.patches)
     COUNTERS.regions += 1
 
     def ours() -> tuple[Any, Any]:
@@ -307,20 +315,14 @@ def _region(
     if label is None:
         label = owner if owner is not None else fn
     fn, contexts = region_context_fn(fn, owner, label, scope, args, kwargs, options)
-    keywords = options.torch_keywords(compiled=False)
-    # We stash more generators than torch does ourselves (NOTE [ RNG replay ]).
-    keywords["preserve_rng_state"] = False
+    keywords = options.eager_keywords
     token = OWN_CALL.set(True)
     try:
         if _torch_private.checkpoint_debug_enabled(options.debug):
             # torch's debug mode is a context_fn of its own: ours rides along with it.
             with _torch_private.debug_composed(contexts):
-                return torch_checkpoint.checkpoint(
-                    fn, *args, use_reentrant=False, debug=True, **keywords, **kwargs
-                )
-        return torch_checkpoint.checkpoint(
-            fn, *args, use_reentrant=False, context_fn=contexts, **keywords, **kwargs
-        )
+                return torch_checkpoint.checkpoint(fn, *args, debug=True, **keywords, **kwargs)
+        return torch_checkpoint.checkpoint(fn, *args, context_fn=contexts, **keywords, **kwargs)
     finally:
         OWN_CALL.reset(token)
 

@@ -60,7 +60,7 @@ Compiled code run by an eager region (a compiled block inside
 ``scopedckpt.checkpoint``, or any recompute of one) calls the guard's
 global hooks while dynamo traces. Its work is never traced: in compiled code
 a hook either returns (no eager frame in this thread: nothing to guard) or
-calls ``_pre``/``_post`` through ``torch.compiler.disable``, as do a
+calls itself again through ``torch.compiler.disable``, as do a
 recompute's own hooks. Traced, the hook graph-broke at ``FRAME.get()`` and
 dynamo compiled the bookkeeping after it (``guarded``, ``count_call``,
 ``enter``) as frames of their own, specialised on this package's mutable
@@ -68,7 +68,8 @@ dicts (the class cache, a frame's call counts, the tape's states). Which of
 them a compiled frame got right depended on what earlier calls had left in
 those dicts: ``test_compiled_code_inside_an_eager_region_takes_the_eager_path``
 updated an unconverted batch norm twice when run after the graph-break test,
-and not alone (mutant ``guard_hook_traced_by_dynamo``).
+and not alone. ``test_the_guards_work_is_never_traced`` checks the guard runs
+untraced (mutant ``guard_hook_traced_by_dynamo``).
 """
 
 from __future__ import annotations
@@ -82,25 +83,24 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._module_state import count_call, enter, exit_, guarded, initialize_lazy, unwind
-from ._paths import Where, frame_entered, frame_left, where
+from ._module_state import enter, exit_, guarded, initialize_lazy, unwind
+from ._paths import BREAK, EAGER, frame_entered, frame_left, where
 from ._selective import internal
-from ._state import FRAME, Frame, Phase, RegionCall, Tape
+from ._state import FORWARD, FRAME, RECOMPUTE, Frame, RegionCall, Tape
+from ._torch_private import GLOBAL_POST_HOOKS, GLOBAL_POST_HOOKS_ALWAYS_CALLED, GLOBAL_PRE_HOOKS
 
 __all__ = [
     "FRAME_PHASES",
-    "begin",
     "end",
     "enter_frame",
     "guarded_call",
+    "installed",
     "start_region",
 ]
 
 
 _LOCK = threading.Lock()
-# The global hooks installed now, by kind ("pre", "post"), and how many active
-# frames use each.
-_HANDLES: dict[str, RemovableHandle] = {}
+# How many active frames use each kind of the guard's global hooks ("pre", "post").
 _USERS = {"pre": 0, "post": 0}
 
 
@@ -115,18 +115,27 @@ def _outside_numbering(
         return step(frame, module)
 
 
-def _pre(module: nn.Module, args: Any) -> None:
+def _pre_hook(module: nn.Module, args: Any) -> None:
+    here = where()
+    if here is not EAGER:
+        # NOTE [ the guard under dynamo ]: traced, the guard's work runs outside
+        # the graph; in a graph with no eager frame in this thread there is none.
+        if here is BREAK:
+            _pre_outside_dynamo(module, args)
+        return
     frame = FRAME.get()
     if frame is None or frame.hooks is not None:
         return
     if guarded(module):
-        if frame.phase is not Phase.RECOMPUTE:
+        if frame.phase is not RECOMPUTE:
             initialize_lazy(frame, module, args)
         index = _outside_numbering(frame, enter, module)
     else:
         # Counted all the same: a buffer registered lazily during the first
         # forward must not shift the call indices the recompute looks up.
-        index = count_call(frame, module)
+        calls = frame.calls  # count_call, written out: this runs at every module call
+        index = calls.get(id(module), 0)
+        calls[id(module)] = index + 1
     if frame.tape.saved is None:
         return
     # Selective saving numbers op calls per module call (NOTE [ selective saving ]).
@@ -135,7 +144,12 @@ def _pre(module: nn.Module, args: Any) -> None:
         frame.selective.enter_module(module)
 
 
-def _post(module: nn.Module, args: Any, output: Any) -> None:
+def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
+    here = where()
+    if here is not EAGER:
+        if here is BREAK:
+            _post_outside_dynamo(module, args, output)
+        return
     frame = FRAME.get()
     if frame is None or frame.hooks is not None:
         return
@@ -147,51 +161,13 @@ def _post(module: nn.Module, args: Any, output: Any) -> None:
         _outside_numbering(frame, exit_, module)
 
 
-_pre_outside_dynamo = torch.compiler.disable(_pre)
-_post_outside_dynamo = torch.compiler.disable(_post)
-
-
-def _pre_hook(module: nn.Module, args: Any) -> None:
-    here = where()
-    if here is Where.EAGER:
-        _pre(module, args)
-    elif here is Where.BREAK:
-        # NOTE [ the guard under dynamo ]: traced, the guard's work runs outside
-        # the graph; in a graph with no eager frame in this thread there is none.
-        _pre_outside_dynamo(module, args)
-
-
-def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
-    here = where()
-    if here is Where.EAGER:
-        _post(module, args, output)
-    elif here is Where.BREAK:
-        _post_outside_dynamo(module, args, output)
-
-
-def begin(frame: Frame) -> None:
-    """Start guarding the module calls of a frame that is being entered.
-
-    A first forward, strict mode and selective saving use the global hooks
-    (installed while at least one frame uses them, in any thread). A plain
-    recompute hooks only the modules its tape has states of: global hooks
-    installed per frame, not per region alive, also mean that compiled code
-    running between regions (a compiled head) meets no hooks, and dynamo
-    neither traces them nor recompiles when they come and go.
-    """
-    frame_entered()
-    every_call = _every_call(frame)
-    if frame.phase is Phase.RECOMPUTE and not every_call:
-        modules = {id(s.module): s.module for s in frame.tape.states.values()}
-        frame.hooks = [h for m in modules.values() for h in _own_hooks(frame, m)]
-        return
-    _install("pre", nn.modules.module.register_module_forward_pre_hook, _pre_hook)
-    if every_call:
-        _install("post", _register_post_hook, _post_hook)
+# Run eagerly, where() is EAGER inside them.
+_pre_outside_dynamo = torch.compiler.disable(_pre_hook)
+_post_outside_dynamo = torch.compiler.disable(_post_hook)
 
 
 # The phases of the frames enter_frame acts in.
-FRAME_PHASES = frozenset({Phase.FORWARD, Phase.RECOMPUTE})
+FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
 
 
 def start_region(tape: Tape, call: RegionCall) -> bool:
@@ -201,12 +177,29 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
 
 
 def enter_frame(frame: Frame) -> Callable[..., None]:
-    """Guard the frame's module calls; returns what stops guarding them."""
-    begin(frame)
-    return functools.partial(end, frame)
+    """Start guarding the module calls of a frame that is being entered; returns what
+    stops guarding them.
+
+    A first forward, strict mode and selective saving use the global hooks
+    (installed while at least one frame uses them, in any thread). A plain
+    recompute hooks only the modules its tape has states of: global hooks
+    installed per frame, not per region alive, also mean that compiled code
+    running between regions (a compiled head) meets no hooks, and dynamo
+    neither traces them nor recompiles when they come and go.
+    """
+    frame_entered()
+    # Strict mode's check and selective saving's module numbering see every call,
+    # and after it too.
+    every_call = frame.scope.strict or frame.tape.saved is not None
+    if frame.phase is RECOMPUTE and not every_call:
+        modules = {id(s.module): s.module for s in frame.tape.states.values()}
+        frame.hooks = [h for m in modules.values() for h in _own_hooks(frame, m)]
+    else:
+        _install(every_call)
+    return functools.partial(end, frame, every_call)
 
 
-def end(frame: Frame, *exc: object) -> None:
+def end(frame: Frame, every_call: bool, *exc: object) -> None:
     """Stop guarding a frame that is being left, leaving no swapped buffer behind."""
     try:
         unwind(frame)
@@ -216,35 +209,45 @@ def end(frame: Frame, *exc: object) -> None:
             for handle in frame.hooks:
                 handle.remove()
         else:
-            _uninstall("pre")
-            if _every_call(frame):
-                _uninstall("post")
+            _uninstall(every_call)
 
 
-def _every_call(frame: Frame) -> bool:
-    """Whether the frame must see every module call, and after it too: strict
-    mode's check and selective saving's module numbering."""
-    return frame.scope.strict or frame.tape.saved is not None
+# The key of the guard's global hooks in torch's dicts of them (torch's are handle ids,
+# non-negative ints).
+_KEY = "scopedckpt buffer guard"
 
 
-def _register_post_hook(hook: Callable[..., Any]) -> RemovableHandle:
-    return nn.modules.module.register_module_forward_hook(hook, always_call=True)
-
-
-def _install(
-    kind: str, register: Callable[[Callable[..., Any]], RemovableHandle], hook: Callable[..., Any]
-) -> None:
+def _install(post: bool) -> None:
     with _LOCK:
-        _USERS[kind] += 1
-        if _USERS[kind] == 1:
-            _HANDLES[kind] = register(hook)
+        _USERS["pre"] += 1
+        if _USERS["pre"] == 1:
+            GLOBAL_PRE_HOOKS[_KEY] = _pre_hook
+        if post:
+            _USERS["post"] += 1
+            if _USERS["post"] == 1:
+                GLOBAL_POST_HOOKS[_KEY] = _post_hook
+                GLOBAL_POST_HOOKS_ALWAYS_CALLED[_KEY] = True
 
 
-def _uninstall(kind: str) -> None:
+def _uninstall(post: bool) -> None:
     with _LOCK:
-        _USERS[kind] -= 1
-        if _USERS[kind] == 0:
-            _HANDLES.pop(kind).remove()
+        _USERS["pre"] -= 1
+        if _USERS["pre"] == 0:
+            del GLOBAL_PRE_HOOKS[_KEY]
+        if post:
+            _USERS["post"] -= 1
+            if _USERS["post"] == 0:
+                del GLOBAL_POST_HOOKS[_KEY]
+                del GLOBAL_POST_HOOKS_ALWAYS_CALLED[_KEY]
+
+
+def installed() -> list[str]:
+    """The kinds of global hooks the guard has installed now ("pre", "post")."""
+    return [
+        kind
+        for kind, hooks in (("pre", GLOBAL_PRE_HOOKS), ("post", GLOBAL_POST_HOOKS))
+        if _KEY in hooks
+    ]
 
 
 def _own_hooks(frame: Frame, module: nn.Module) -> list[RemovableHandle]:

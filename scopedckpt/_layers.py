@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import functional as SF
+from . import _dropout
 from ._module_state import self_guarded
-from ._paths import Where, where
+from ._paths import EAGER, GRAPH, where
 from ._selective import internal
-from ._state import Phase, tape_value
+from ._state import RECOMPUTE, tape_value
 from ._torch_private import BatchNormBase, DropoutBase, check_input_dim
 
 __all__ = [
@@ -38,7 +38,7 @@ __all__ = [
 class _ScopedDropout(DropoutBase):
     """Shared constructor and forward of the scoped dropout layers."""
 
-    _impl: SF.Impl
+    _impl: _dropout.Impl
     _uses_inplace = True  # torch's alpha dropouts ignore ``inplace``; so do we
     generator: torch.Generator | None
     save_mask: bool
@@ -52,7 +52,7 @@ class _ScopedDropout(DropoutBase):
         save_mask: bool = True,
     ) -> None:
         name = type(self).__name__
-        p = SF._check_p(p, name)
+        p = _dropout.check_p(p, name)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(
                 f"scopedckpt: {name}(generator=...) must be a torch.Generator or None, got "
@@ -129,7 +129,7 @@ class Dropout(_ScopedDropout, nn.Dropout):
         "torch.Size([2, 3])",
         alpha=False,
     )
-    _impl = staticmethod(SF._impl_dropout)
+    _impl = staticmethod(_dropout.impl_dropout)
 
 
 class Dropout1d(_ScopedDropout, nn.Dropout1d):
@@ -141,7 +141,7 @@ class Dropout1d(_ScopedDropout, nn.Dropout1d):
         "torch.Size([2, 3, 4])",
         alpha=False,
     )
-    _impl = staticmethod(SF._impl_dropout1d)
+    _impl = staticmethod(_dropout.impl_dropout1d)
 
 
 class Dropout2d(_ScopedDropout, nn.Dropout2d):
@@ -153,7 +153,7 @@ class Dropout2d(_ScopedDropout, nn.Dropout2d):
         "torch.Size([2, 3, 4, 4])",
         alpha=False,
     )
-    _impl = staticmethod(SF._impl_dropout2d)
+    _impl = staticmethod(_dropout.impl_dropout2d)
 
 
 class Dropout3d(_ScopedDropout, nn.Dropout3d):
@@ -165,7 +165,7 @@ class Dropout3d(_ScopedDropout, nn.Dropout3d):
         "torch.Size([2, 3, 2, 2, 2])",
         alpha=False,
     )
-    _impl = staticmethod(SF._impl_dropout3d)
+    _impl = staticmethod(_dropout.impl_dropout3d)
 
 
 class AlphaDropout(_ScopedDropout, nn.AlphaDropout):
@@ -177,7 +177,7 @@ class AlphaDropout(_ScopedDropout, nn.AlphaDropout):
         "torch.Size([2, 3])",
         alpha=True,
     )
-    _impl = staticmethod(SF._impl_alpha_dropout)
+    _impl = staticmethod(_dropout.impl_alpha_dropout)
     _uses_inplace = False
 
 
@@ -190,7 +190,7 @@ class FeatureAlphaDropout(_ScopedDropout, nn.FeatureAlphaDropout):
         "torch.Size([2, 3, 4])",
         alpha=True,
     )
-    _impl = staticmethod(SF._impl_feature_alpha_dropout)
+    _impl = staticmethod(_dropout.impl_feature_alpha_dropout)
     _uses_inplace = False
 
 
@@ -200,9 +200,9 @@ class _ScopedBatchNorm(BatchNormBase):
     @self_guarded  # its own recompute path: the buffer guard skips it (NOTE [ buffer guard ])
     def forward(self, input: Tensor) -> Tensor:
         here = where()
-        if here is Where.EAGER:
+        if here is EAGER:
             return self._scoped_forward(input)
-        if here is Where.GRAPH:
+        if here is GRAPH:
             # torch's checkpoint operator updates the statistics once by
             # itself (NOTE [ torch.compile ] in _compiled.py).
             return super().forward(input)
@@ -210,7 +210,7 @@ class _ScopedBatchNorm(BatchNormBase):
 
     def _scoped_forward(self, input: Tensor) -> Tensor:
         training, phase = tape_value("batch_norm", self, lambda: self.training)
-        if phase is not Phase.RECOMPUTE:
+        if phase is not RECOMPUTE:
             return super().forward(input)
         # Recompute: the same kernel on the same input as the first forward, so
         # the same bits and the same saved tensors (torch checks their number

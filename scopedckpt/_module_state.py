@@ -8,6 +8,7 @@ which modules need it at all (``guarded``).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from ._errors import ScopedCkptError
-from ._state import Frame, Phase, module_path
+from ._state import RECOMPUTE, Frame, module_path
 from ._torch_private import module_buffers
 
 __all__ = [
@@ -93,10 +94,12 @@ class GuardEntry:
 
 
 _NONE = object()
-_UNSEEN = object()
 _SELF_GUARDED: set[Callable[..., Any]] = set()
-# _class_kind's answers; weak keys, so that classes made at run time can go.
-_CLASSES: weakref.WeakKeyDictionary[type, bool | None] = weakref.WeakKeyDictionary()
+# _class_kind's answers by id(class), each beside a weak reference to its class whose
+# callback removes the entry when the class goes: classes made at run time can go,
+# and an id is never reused while its entry is here. (A WeakKeyDictionary makes a
+# weak reference at every lookup, and the guard looks up every module call.)
+_CLASSES: dict[int, tuple[bool | None, weakref.ref[type]]] = {}
 
 
 def self_guarded(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -129,15 +132,23 @@ def _class_kind(cls: type) -> bool | None:
     Whether an instance has buffers is asked of the instance each time: buffers
     come and go (a module may register one after construction).
     """
-    kind = _CLASSES.get(cls, _UNSEEN)
-    if kind is _UNSEEN:
-        kind = None if getattr(cls, "forward", None) in _SELF_GUARDED else _stateful_class(cls)
-        _CLASSES[cls] = kind
-    return kind  # type: ignore[return-value]
+    entry = _CLASSES.get(id(cls))
+    if entry is not None:
+        return entry[0]
+    kind = None if getattr(cls, "forward", None) in _SELF_GUARDED else _stateful_class(cls)
+    _CLASSES[id(cls)] = (kind, weakref.ref(cls, functools.partial(_forget_class, id(cls))))
+    return kind
+
+
+def _forget_class(key: int, _: object) -> None:
+    _CLASSES.pop(key, None)
 
 
 def guarded(module: nn.Module) -> bool:
-    kind = _class_kind(type(module))
+    """Whether calls of ``module`` are guarded: it has buffers or is Stateful, and its
+    forward does not guard itself."""
+    entry = _CLASSES.get(id(type(module)))
+    kind = entry[0] if entry is not None else _class_kind(type(module))
     return kind is not None and (kind or bool(module_buffers(module)))
 
 
@@ -158,7 +169,7 @@ def enter(frame: Frame, module: nn.Module) -> int:
     Returns the call's index (how many calls of the module came before it)."""
     index = count_call(frame, module)
     stateful = _stateful(module)
-    if frame.phase is not Phase.RECOMPUTE:
+    if frame.phase is not RECOMPUTE:
         saved = [(n, b.clone()) for n, b in module_buffers(module).items() if b is not None]
         state = _snapshot(module) if stateful else _NONE
         frame.tape.states[(id(module), index)] = ModuleState(module, saved, state)
@@ -216,7 +227,7 @@ def initialize_lazy(frame: Frame, module: nn.Module, args: tuple[Any, ...]) -> N
 
 def exit_(frame: Frame, module: nn.Module) -> None:
     """After a guarded call: strict mode's check (forward) or put the reals back."""
-    if frame.phase is not Phase.RECOMPUTE:
+    if frame.phase is not RECOMPUTE:
         if frame.scope.strict:
             _refuse_changes(frame, module, frame.guards.pop())
         return
@@ -248,5 +259,5 @@ def unwind(frame: Frame) -> None:
     """Leave no swapped buffer behind when a frame ends early (error, early stop)."""
     while frame.guards:
         entry = frame.guards.pop()
-        if frame.phase is Phase.RECOMPUTE:
+        if frame.phase is RECOMPUTE:
             _put_back(entry)

@@ -10,6 +10,7 @@ torch. Dynamo traces its construction (a frozen dataclass) as constants.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,16 @@ class RegionOptions:
             keywords["debug"] = True
         if self.respect_saved_tensors_hooks is not None:  # torch >= 2.14 (checked by checkpoint())
             keywords["respect_saved_tensors_hooks"] = self.respect_saved_tensors_hooks
+        return keywords
+
+    @functools.cached_property
+    def eager_keywords(self) -> dict[str, Any]:
+        """The keywords an eager region hands torch's checkpoint besides ``fn``, its
+        arguments and ``context_fn``: computed once per options value (read-only)."""
+        keywords = self.torch_keywords(compiled=False)
+        keywords["use_reentrant"] = False
+        # scopedckpt stashes more generators than torch does itself (NOTE [ RNG replay ]).
+        keywords["preserve_rng_state"] = False
         return keywords
 
 

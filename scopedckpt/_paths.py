@@ -41,7 +41,7 @@ import torch
 
 from ._state import SCOPE, Scope
 
-__all__ = ["MIRROR", "Path", "Where", "region_path", "where"]
+__all__ = ["BREAK", "EAGER", "GRAPH", "MIRROR", "Path", "Where", "region_path", "where"]
 
 _compiling = torch.compiler.is_dynamo_compiling
 
@@ -77,12 +77,18 @@ class Where(enum.Enum):
     BREAK = "traced, inside an eager region frame"
 
 
+# The members as module constants: looking a member up on its Enum class is a
+# metaclass attribute lookup, and where() is asked at every module call of a first
+# forward. Compare with these (``where() is EAGER``).
+EAGER, GRAPH, BREAK = Where.EAGER, Where.GRAPH, Where.BREAK
+
+
 def where() -> Where:
     """Whether the caller runs eagerly, traced into a graph, or traced where it must
     leave the graph (NOTE [ region paths ])."""
     if not _compiling():
-        return Where.EAGER
-    return Where.BREAK if MIRROR.eager else Where.GRAPH
+        return EAGER
+    return BREAK if MIRROR.eager else GRAPH
 
 
 class Path(enum.Enum):

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ._state import Frame, Phase, RegionCall, Tape
+from ._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape
 from ._torch_private import base_of, module_buffers, top_saved_tensors_hooks
 
 __all__ = [
@@ -356,7 +356,7 @@ def recomputed(stats: RegionStats, seconds: float) -> None:
 now = time.perf_counter
 
 # The phases of the frames enter_frame acts in.
-FRAME_PHASES = frozenset({Phase.FORWARD, Phase.RECOMPUTE})
+FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
 
 
 def start_region(tape: Tape, call: RegionCall) -> bool:
@@ -369,7 +369,7 @@ def enter_frame(frame: Frame) -> Callable[..., None] | None:
     """Count what a first forward saves, time a recompute; returns what records it."""
     stats = frame.tape.stats
     assert stats is not None  # start_region said so
-    if frame.phase is Phase.FORWARD:
+    if frame.phase is FORWARD:
         counting = counting_saved_tensors(stats)
         counting.__enter__()
 

@@ -15,7 +15,7 @@ forward started from:
   it found (:func:`enter_frame`), so the global streams after ``backward()``
   are those after the forward: the same as without checkpointing.
 * Scoped layers stay aligned with that stream (see NOTE [ aligned draws ] in
-  ``functional.py``): a scoped dropout drawing its seed from the default
+  ``_dropout.py``): a scoped dropout drawing its seed from the default
   generator in the forward draws it again in the recompute and checks that it
   got the recorded seed. So scoped and unscoped draws can be mixed in any
   order, and a recompute whose stream diverged raises instead of replaying
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._state import Frame, Phase, RegionCall, Tape
+from ._state import RECOMPUTE, Frame, RegionCall, Tape
 
 __all__ = ["FRAME_PHASES", "RngStash", "enter_frame", "start_region", "stash"]
 
@@ -132,7 +132,7 @@ def stash() -> RngStash:
 
 
 # The phases of the frames enter_frame acts in.
-FRAME_PHASES = frozenset({Phase.RECOMPUTE})
+FRAME_PHASES = frozenset({RECOMPUTE})
 
 
 def start_region(tape: Tape, call: RegionCall) -> bool:

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from ._compiled import compiled_region
 from ._engine import _region, region_outside_dynamo
 from ._options import DEFAULT_OPTIONS, RegionOptions
-from ._paths import Path, Where, region_path, where
+from ._paths import BREAK, Path, region_path, where
 from ._state import Scope
 
 __all__ = ["run_region"]
@@ -37,7 +37,7 @@ def run_region(
     """
     path = region_path(scope)
     if path is Path.EAGER:
-        if where() is Where.BREAK:  # traced code inside an eager frame: a graph break
+        if where() is BREAK:  # traced code inside an eager frame: a graph break
             return region_outside_dynamo(fn, owner, args, kwargs, options, scope=scope)
         return _region(fn, owner, args, kwargs, options, scope=scope)
     if path is Path.COMPILED:

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from . import _targets
-from ._paths import Where, enter_block, exit_block, where
+from ._paths import EAGER, enter_block, exit_block, where
 from ._policy import SavePolicy, as_policy
 from ._state import SCOPE, Scope
 
@@ -146,7 +146,7 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         return f"checkpointing({', '.join(parts)})"
 
     def __enter__(self) -> checkpointing:
-        if where() is not Where.EAGER:  # NOTE [ torch.compile ] in _compiled.py
+        if where() is not EAGER:  # NOTE [ torch.compile ] in _compiled.py
             self._traced.append(_targets.enter_traced(self._modules, self._enabled, self._save))
             return self
         parent = SCOPE.get()
@@ -185,7 +185,7 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if where() is not Where.EAGER:
+        if where() is not EAGER:
             _targets.exit_traced(*self._traced.pop())
             return
         token, patches, mirrored = self._entries.pop()

@@ -64,7 +64,7 @@ from torch import Tensor, nn
 
 from ._errors import ScopedCkptError
 from ._policy import SavePolicy
-from ._state import FRAME, Frame, Phase, RegionCall, Tape, describe
+from ._state import FORWARD, FRAME, RECOMPUTE, Frame, RegionCall, Tape, describe
 from ._strict import draws_random_numbers
 from ._torch_private import (
     SAC_IGNORED_OPS,
@@ -305,7 +305,7 @@ def _shapes(signature: tuple[Any, ...]) -> str:
 
 
 # The phases of the frames enter_frame acts in.
-FRAME_PHASES = frozenset({Phase.FORWARD, Phase.RECOMPUTE})
+FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
 
 
 def start_region(tape: Tape, call: RegionCall) -> bool:
@@ -323,7 +323,7 @@ def enter_frame(frame: Frame) -> Callable[..., Any] | None:
     saved = frame.tape.saved
     assert saved is not None  # start_region said so
     mode: SavingMode | ServingMode
-    if frame.phase is Phase.FORWARD:
+    if frame.phase is FORWARD:
         mode = SavingMode(saved, frame)
         if saved.policy.selects_modules:
             frame.selective = mode  # the guard's hooks tell it module calls

@@ -81,6 +81,11 @@ class Phase(enum.Enum):
     RECOMPUTE = "recompute"
 
 
+# The members as module constants, for hot comparisons (``frame.phase is RECOMPUTE``):
+# looking a member up on its Enum class is a metaclass attribute lookup.
+NONE, FORWARD, RECOMPUTE = Phase.NONE, Phase.FORWARD, Phase.RECOMPUTE
+
+
 @dataclass(frozen=True)
 class Scope:
     """What one ``checkpointing(...)`` block made active in its context."""
@@ -124,7 +129,7 @@ class RegionCall:
     save: SavePolicy | None  # overrides the scope's policy
 
 
-@dataclass
+@dataclass(slots=True)
 class Tape:
     """The records of one region, in call order, and what its recomputes restore.
 
@@ -142,7 +147,7 @@ class Tape:
     recompute_mechanisms: tuple[Callable[[Frame], Callable[..., Any] | None], ...] = ()
 
 
-@dataclass
+@dataclass(slots=True)
 class Frame:
     """One entry into a region: its phase, tape, replay cursor and owner.
 
@@ -256,12 +261,12 @@ def tape_value(kind: str, owner: object, decide: Callable[[], T]) -> tuple[T, Ph
     """
     frame = FRAME.get()
     if frame is None:
-        return decide(), Phase.NONE
-    if frame.phase is Phase.RECOMPUTE:
-        return frame.take(kind, id(owner), owner).value, Phase.RECOMPUTE
+        return decide(), NONE
+    if frame.phase is RECOMPUTE:
+        return frame.take(kind, id(owner), owner).value, RECOMPUTE
     value = decide()
     frame.tape.records.append(Record(kind, id(owner), owner, value))
-    return value, Phase.FORWARD
+    return value, FORWARD
 
 
 def phase() -> Phase:
@@ -274,8 +279,8 @@ def phase() -> Phase:
     Returns
     -------
     Phase
-        ``Phase.NONE`` outside regions, ``Phase.FORWARD`` in a region's first
-        forward, ``Phase.RECOMPUTE`` while backward recomputes a region.
+        ``NONE`` outside regions, ``FORWARD`` in a region's first
+        forward, ``RECOMPUTE`` while backward recomputes a region.
 
     Example
     -------
@@ -292,7 +297,7 @@ def phase() -> Phase:
     ['FORWARD', 'RECOMPUTE']
     """
     frame = FRAME.get()
-    return Phase.NONE if frame is None else frame.phase
+    return NONE if frame is None else frame.phase
 
 
 def is_recomputing() -> bool:
@@ -304,7 +309,7 @@ def is_recomputing() -> bool:
     >>> scopedckpt.is_recomputing()
     False
     """
-    return phase() is Phase.RECOMPUTE
+    return phase() is RECOMPUTE
 
 
 def replay(owner: object, decide: Callable[[], T]) -> T:

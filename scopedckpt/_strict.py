@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ._errors import ScopedCkptError
-from ._state import Frame, Phase, RegionCall, Tape
+from ._state import FORWARD, Frame, RegionCall, Tape
 from ._torch_private import TorchDispatchMode, bound_arguments
 
 __all__ = [
@@ -119,7 +119,7 @@ def unscoped_random_detector() -> TorchDispatchMode:
 
 
 # The phases of the frames enter_frame acts in.
-FRAME_PHASES = frozenset({Phase.FORWARD})
+FRAME_PHASES = frozenset({FORWARD})
 
 
 def start_region(tape: Tape, call: RegionCall) -> bool:

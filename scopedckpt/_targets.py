@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 
 from ._engine import _region, current_region_owner
-from ._paths import Where, enter_traced_block, exit_traced_block, where
+from ._paths import EAGER, enter_traced_block, exit_traced_block, where
 from ._policy import SavePolicy
 from ._run import run_region
 from ._state import SCOPE
@@ -63,7 +63,7 @@ def _instance_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
     )
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if where() is Where.EAGER:
+        if where() is EAGER:
             return _regioned(inner, module, args, kwargs)
         return run_region(inner, module, args, kwargs)  # NOTE [ torch.compile ] in _compiled.py
 
@@ -74,7 +74,7 @@ def _instance_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
 def _class_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if where() is Where.EAGER:
+        if where() is EAGER:
             return _regioned(original.__get__(self), self, args, kwargs)
         return run_region(original.__get__(self), self, args, kwargs)  # NOTE [ torch.compile ]
 
@@ -99,27 +99,32 @@ def _classes_to_patch(cls: type) -> Iterator[type]:
 
 @dataclass
 class Patches:
-    """One hold on some patches; ``remove()`` releases it once.
+    """The patches one scope entry made; each hold on them is released by one ``remove()``.
 
     A scope entry holds its patches while the block runs; each region started
     in it takes a further hold (:meth:`share`) released when torch frees the
     region, because the backward recompute, usually after the block exited,
     must find nested targets still patched to make them regions again. After
     the block the patches are inert: calls in contexts without the scope are
-    plain calls.
+    plain calls. The holders' counts (across scope entries) change only when
+    the first hold is taken and the last released, so a region's hold costs the
+    same however many modules the scope patched.
     """
 
     holders: list[Any] = field(default_factory=list)
+    holds: int = 1
 
     def share(self) -> Patches:
-        """A further hold on the same patches."""
+        """A further hold on the same patches (released by a ``remove()``)."""
         with _LOCK:
-            for holder in self.holders:
-                _PATCHES[id(holder)].count += 1
-            return Patches(list(self.holders))
+            self.holds += 1
+        return self
 
     def remove(self) -> None:
         with _LOCK:
+            self.holds -= 1
+            if self.holds:
+                return
             for holder in self.holders:
                 patch = _PATCHES[id(holder)]
                 patch.count -= 1

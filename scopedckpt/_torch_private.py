@@ -64,6 +64,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._errors import ScopedCkptError
 
 __all__ = [
+    "GLOBAL_POST_HOOKS",
+    "GLOBAL_POST_HOOKS_ALWAYS_CALLED",
+    "GLOBAL_PRE_HOOKS",
     "PATH",
     "SAC_IGNORED_OPS",
     "BatchNormBase",
@@ -373,9 +376,17 @@ def check_input_dim(module: BatchNormBase, input: torch.Tensor) -> None:
     module._check_input_dim(input)
 
 
-def module_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
-    """The module's own registered buffers, by name: the dict itself, to swap entries in."""
-    return module._buffers
+module_buffers: Callable[[torch.nn.Module], dict[str, torch.Tensor | None]]
+module_buffers = operator.attrgetter("_buffers")
+"""The module's own registered buffers, by name: the dict itself, to swap entries in."""
+
+
+# torch's global module hooks, by key: the buffer guard puts its own in at a key of its
+# own (registering returns a handle per install, at every region's first forward).
+_module = torch.nn.modules.module
+GLOBAL_PRE_HOOKS: dict[Any, Callable[..., Any]] = _module._global_forward_pre_hooks
+GLOBAL_POST_HOOKS: dict[Any, Callable[..., Any]] = _module._global_forward_hooks
+GLOBAL_POST_HOOKS_ALWAYS_CALLED: dict[Any, bool] = _module._global_forward_hooks_always_called
 
 
 def bound_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -1,45 +1,24 @@
 """Scoped dropout functions: one seed per call, replayed in recomputes.
 
-Each call in training mode draws one seed, from ``generator`` when given or
-else from torch's default CPU generator (so ``torch.manual_seed`` reproduces a
-run), and builds its mask from it alone (a private generator seeded with it,
-or a hash of it for large CPU masks: NOTE [ hashed bits ] in ``_mask.py``). Inside a
-checkpoint region the seed goes on the region's tape and the recompute builds
-the identical mask from it; no global RNG state is stashed or restored, and the
-global stream advances exactly as much as in a run without checkpointing.
-
-For backward the mask is kept as one byte per element (``save_mask=True``,
-the default; channel-wise dropout keeps its float noise, one value per channel)
-or rebuilt from the seed (``save_mask=False``: no memory, one more random pass
-in backward). Both give the same bits (NOTE [ two formulations ] in ``_mask.py``).
-
-NOTE [ aligned draws ]
-======================
-A seed drawn from torch's default generator in the first forward is drawn
-again in every recompute of a region that replays the RNG (NOTE [ RNG replay ]
-in ``_rng.py``), and checked against the recorded seed, which is the one used.
-Without that draw, every unscoped random op after a scoped dropout in the same
-region (timm's ``proj_drop`` then ``drop_path``) would see a stream shifted by
-one draw in the recompute. A seed from a user's ``generator=`` is not drawn
-again: that generator is not rewound, and unscoped ops do not share it.
+The functional counterparts of the scoped dropout layers (and of
+:mod:`torch.nn.functional`'s dropouts): the implementation, how seeds are drawn,
+recorded and replayed, is in ``_dropout.py``.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
-import warnings
-from collections.abc import Callable
-from typing import Any
-
 import torch
 from torch import Tensor
 
-from ._errors import ScopedCkptError
-from ._mask import Mask, masked_dropout
-from ._paths import Where, where
-from ._state import FRAME, Phase, describe, tape_value
-from ._strict import scoped_draws
+from ._dropout import (
+    check_p,
+    impl_alpha_dropout,
+    impl_dropout,
+    impl_dropout1d,
+    impl_dropout2d,
+    impl_dropout3d,
+    impl_feature_alpha_dropout,
+)
 
 __all__ = [
     "alpha_dropout",
@@ -49,265 +28,6 @@ __all__ = [
     "dropout3d",
     "feature_alpha_dropout",
 ]
-
-_SEED_HIGH = 2**62
-
-
-def _check_p(p: Any, where: str) -> float:
-    if isinstance(p, bool) or not isinstance(p, numbers.Real):
-        raise TypeError(
-            f"scopedckpt: {where} expected p to be a float probability, got "
-            f"{type(p).__name__}. Pass e.g. p=0.1."
-        )
-    if not 0.0 <= float(p) <= 1.0 or math.isnan(float(p)):
-        raise ValueError(
-            f"scopedckpt: {where} expected p between 0 and 1 (the probability of "
-            f"zeroing an element), got p={p}. Pass e.g. p=0.1."
-        )
-    return float(p)
-
-
-def _draw_seed(generator: torch.Generator | None) -> int:
-    device = generator.device if generator is not None else torch.device("cpu")
-    with scoped_draws():
-        return int(torch.randint(0, _SEED_HIGH, (), generator=generator, device=device))
-
-
-def _redraw(seed: int | None, owner: object) -> None:
-    """Draw the recorded seed again to keep the default stream aligned (NOTE [ aligned draws ])."""
-    frame = FRAME.get()
-    if frame is None or frame.tape.rng is None:
-        return
-    again = _draw_seed(None)
-    if again != seed:
-        raise ScopedCkptError(
-            f"scopedckpt: the recompute of a checkpoint region drew seed {again} for "
-            f"{describe(owner)} from torch's default generator, but its first forward drew "
-            f"{seed} at the same point: the random numbers drawn in the region differ between "
-            "forward and recompute (data-dependent random draws, or another thread drawing "
-            "from the default generator while the region ran). Give the scoped layers their "
-            "own generator=..., or keep such draws outside checkpoint regions."
-        )
-
-
-# torch's own dropout ops by (feature, alpha): (out of place, in place).
-_TORCH_OPS = {
-    (False, False): (torch.dropout, torch.dropout_),
-    (True, False): (torch.feature_dropout, torch.feature_dropout_),
-    (False, True): (torch.alpha_dropout, torch.alpha_dropout_),
-    (True, True): (torch.feature_alpha_dropout, torch.feature_alpha_dropout_),
-}
-
-
-def _dropout(
-    input: Tensor,
-    p: float,
-    training: bool,
-    inplace: bool,
-    generator: torch.Generator | None,
-    save_mask: bool,
-    *,
-    feature: bool,
-    alpha: bool,
-    owner: object,
-) -> Tensor:
-    """The one dropout implementation behind every scoped function and layer."""
-    if feature and input.dim() < 2:
-        raise RuntimeError(
-            f"scopedckpt: channel-wise dropout needs input with at least 2 dimensions "
-            f"(N, C, ...), but got shape {tuple(input.shape)}. Use dropout or alpha_dropout "
-            "for element-wise dropout."
-        )
-    seeded = _seeded_dropout
-    here = where()
-    if here is not Where.EAGER:
-        if here is Where.GRAPH and generator is None:
-            # Inductor's generator, replayed by torch's checkpoint operator
-            # (NOTE [ torch.compile ] in _compiled.py).
-            out_of_place, in_place = _TORCH_OPS[feature, alpha]
-            return (in_place if inplace else out_of_place)(input, p, training)
-        seeded = _seeded_dropout_outside_dynamo
-    return seeded(
-        input,
-        p,
-        training,
-        inplace,
-        generator,
-        save_mask,
-        feature=feature,
-        alpha=alpha,
-        owner=owner,
-    )
-
-
-def _seeded_dropout(
-    input: Tensor,
-    p: float,
-    training: bool,
-    inplace: bool,
-    generator: torch.Generator | None,
-    save_mask: bool,
-    *,
-    feature: bool,
-    alpha: bool,
-    owner: object,
-) -> Tensor:
-    """Dropout from a per-call seed, recorded and replayed in regions (eager code)."""
-
-    def decide() -> tuple[bool, int | None, bool]:
-        if training and 0.0 < p < 1.0 and input.numel() > 0:
-            return True, _draw_seed(generator), generator is None
-        return training, None, False
-
-    (was_training, seed, from_default), phase = tape_value("dropout", owner, decide)
-    if from_default and phase is Phase.RECOMPUTE:
-        _redraw(seed, owner)
-    if not was_training or p == 0.0 or input.numel() == 0:
-        return input
-    if seed is None:  # p == 1: everything dropped, nothing random
-        zero = torch.zeros((), dtype=input.dtype, device=input.device)
-        return input.mul_(zero) if inplace else input * zero
-    shape = tuple(input.shape[:2]) + (1,) * (input.dim() - 2) if feature else tuple(input.shape)
-    mask = Mask(seed, p, shape, input.device, alpha, save_mask)
-    return masked_dropout(input, mask, inplace, recompute=phase is Phase.RECOMPUTE)
-
-
-# It reads the region's tape: compiled code calls it behind a graph break.
-_seeded_dropout_outside_dynamo = torch.compiler.disable(_seeded_dropout)
-
-
-def _feature(
-    input: Tensor,
-    p: float,
-    training: bool,
-    inplace: bool,
-    generator: torch.Generator | None,
-    save_mask: bool,
-    owner: object,
-    *,
-    batched: bool,
-    alpha: bool,
-) -> Tensor:
-    """Channel-wise dropout, adding a batch dimension for unbatched input."""
-    if not batched:
-        input = input.unsqueeze_(0) if inplace else input.unsqueeze(0)
-    out = _dropout(
-        input, p, training, inplace, generator, save_mask, feature=True, alpha=alpha, owner=owner
-    )
-    if not batched:
-        out = out.squeeze_(0) if inplace else out.squeeze(0)
-    return out
-
-
-# The implementations below take a validated ``p`` and the tape owner (the
-# layer, or the public function); the layers in ``_layers.py`` call them.
-Impl = Callable[[Tensor, float, bool, bool, "torch.Generator | None", bool, object], Tensor]
-
-
-def _elementwise(*, feature: bool, alpha: bool) -> Impl:
-    """The implementation of a dropout that needs no shape handling."""
-
-    def impl(
-        input: Tensor,
-        p: float,
-        training: bool,
-        inplace: bool,
-        generator: torch.Generator | None,
-        save_mask: bool,
-        owner: object,
-    ) -> Tensor:
-        return _dropout(
-            input,
-            p,
-            training,
-            inplace,
-            generator,
-            save_mask,
-            feature=feature,
-            alpha=alpha,
-            owner=owner,
-        )
-
-    return impl
-
-
-_impl_dropout = _elementwise(feature=False, alpha=False)
-_impl_alpha_dropout = _elementwise(feature=False, alpha=True)
-_impl_feature_alpha_dropout = _elementwise(feature=True, alpha=True)
-
-
-def _impl_dropout1d(
-    input: Tensor,
-    p: float,
-    training: bool,
-    inplace: bool,
-    generator: torch.Generator | None,
-    save_mask: bool,
-    owner: object,
-) -> Tensor:
-    if input.dim() not in (2, 3):
-        raise RuntimeError(
-            f"scopedckpt: dropout1d expected 2D (C, L) or 3D (N, C, L) input, but got a "
-            f"{input.dim()}D input. Use dropout for element-wise dropout."
-        )
-    return _feature(
-        input,
-        p,
-        training,
-        inplace,
-        generator,
-        save_mask,
-        owner,
-        batched=input.dim() == 3,
-        alpha=False,
-    )
-
-
-def _impl_dropout2d(
-    input: Tensor,
-    p: float,
-    training: bool,
-    inplace: bool,
-    generator: torch.Generator | None,
-    save_mask: bool,
-    owner: object,
-) -> Tensor:
-    _warn_feature_dims(input, "dropout2d", (3, 4))
-    if input.dim() == 3:
-        warnings.warn(
-            "dropout2d: Received a 3D input to dropout2d and assuming that channel-wise "
-            "1D dropout behavior is desired - input is interpreted as shape (N, C, L), where C "
-            "is the channel dim. This behavior will change in a future release to interpret the "
-            "input as one without a batch dimension, i.e. shape (C, H, W). To maintain the 1D "
-            "channel-wise dropout behavior, please switch to using dropout1d instead.",
-            stacklevel=3,
-        )
-    return _feature(
-        input, p, training, inplace, generator, save_mask, owner, batched=True, alpha=False
-    )
-
-
-def _impl_dropout3d(
-    input: Tensor,
-    p: float,
-    training: bool,
-    inplace: bool,
-    generator: torch.Generator | None,
-    save_mask: bool,
-    owner: object,
-) -> Tensor:
-    _warn_feature_dims(input, "dropout3d", (4, 5))
-    return _feature(
-        input,
-        p,
-        training,
-        inplace,
-        generator,
-        save_mask,
-        owner,
-        batched=input.dim() == 5,
-        alpha=False,
-    )
 
 
 def dropout(
@@ -360,8 +80,8 @@ def dropout(
     >>> sorted(set(y.tolist()))
     [0.0, 2.0]
     """
-    p = _check_p(p, "dropout")
-    return _impl_dropout(input, p, training, inplace, generator, save_mask, dropout)
+    p = check_p(p, "dropout")
+    return impl_dropout(input, p, training, inplace, generator, save_mask, dropout)
 
 
 def dropout1d(
@@ -382,8 +102,8 @@ def dropout1d(
     >>> SF.dropout1d(torch.ones(2, 3, 4), p=0.5).shape
     torch.Size([2, 3, 4])
     """
-    p = _check_p(p, "dropout1d")
-    return _impl_dropout1d(input, p, training, inplace, generator, save_mask, dropout1d)
+    p = check_p(p, "dropout1d")
+    return impl_dropout1d(input, p, training, inplace, generator, save_mask, dropout1d)
 
 
 def dropout2d(
@@ -407,8 +127,8 @@ def dropout2d(
     >>> SF.dropout2d(torch.ones(2, 3, 4, 4), p=0.5).shape
     torch.Size([2, 3, 4, 4])
     """
-    p = _check_p(p, "dropout2d")
-    return _impl_dropout2d(input, p, training, inplace, generator, save_mask, dropout2d)
+    p = check_p(p, "dropout2d")
+    return impl_dropout2d(input, p, training, inplace, generator, save_mask, dropout2d)
 
 
 def dropout3d(
@@ -429,8 +149,8 @@ def dropout3d(
     >>> SF.dropout3d(torch.ones(2, 3, 2, 2, 2), p=0.5).shape
     torch.Size([2, 3, 2, 2, 2])
     """
-    p = _check_p(p, "dropout3d")
-    return _impl_dropout3d(input, p, training, inplace, generator, save_mask, dropout3d)
+    p = check_p(p, "dropout3d")
+    return impl_dropout3d(input, p, training, inplace, generator, save_mask, dropout3d)
 
 
 def alpha_dropout(
@@ -451,8 +171,8 @@ def alpha_dropout(
     >>> SF.alpha_dropout(torch.ones(4), p=0.5, training=True).shape
     torch.Size([4])
     """
-    p = _check_p(p, "alpha_dropout")
-    return _impl_alpha_dropout(input, p, training, inplace, generator, save_mask, alpha_dropout)
+    p = check_p(p, "alpha_dropout")
+    return impl_alpha_dropout(input, p, training, inplace, generator, save_mask, alpha_dropout)
 
 
 def feature_alpha_dropout(
@@ -473,20 +193,7 @@ def feature_alpha_dropout(
     >>> SF.feature_alpha_dropout(torch.ones(2, 3, 4), p=0.5, training=True).shape
     torch.Size([2, 3, 4])
     """
-    p = _check_p(p, "feature_alpha_dropout")
-    return _impl_feature_alpha_dropout(
+    p = check_p(p, "feature_alpha_dropout")
+    return impl_feature_alpha_dropout(
         input, p, training, inplace, generator, save_mask, feature_alpha_dropout
     )
-
-
-def _warn_feature_dims(input: Tensor, name: str, dims: tuple[int, int]) -> None:
-    if input.dim() not in dims:
-        warnings.warn(
-            f"{name}: Received a {input.dim()}-D input to {name}, which is deprecated "
-            f"and will result in an error in a future release. To retain the behavior "
-            f"and silence this warning, please use dropout instead. Note that {name} "
-            f"exists to provide channel-wise dropout on inputs with {dims[0] - 1} spatial "
-            f"dimensions, a channel dimension, and an optional batch dimension "
-            f"(i.e. {dims[0]}D or {dims[1]}D inputs).",
-            stacklevel=3,
-        )

@@ -44,7 +44,7 @@ def _no_scope_leaks():
     assert SCOPE.get() is None, "a checkpointing scope leaked out of the test"
     assert FRAME.get() is None, "a region frame leaked out of the test"
     assert not _targets._PATCHES, "a module forward patch leaked out of the test"
-    assert not _guard._HANDLES, "the buffer guard's global module hooks leaked out of the test"
+    assert not _guard.installed(), "the buffer guard's global module hooks leaked out of the test"
     assert not _patch._ORIGINALS, "patch_torch_checkpoint left torch.utils.checkpoint patched"
     assert torch_checkpoint.checkpoint.__module__ == "torch.utils.checkpoint"
     assert not _report._ACTIVE, "a memory_report block leaked out of the test"

@@ -18,6 +18,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import scopedckpt
+from scopedckpt import _guard
+from scopedckpt._module_state import guarded
 from scopedckpt._paths import MIRROR
 
 pytestmark = [
@@ -479,3 +481,22 @@ def test_the_mirror_is_per_thread() -> None:
         thread.join()
         assert MIRROR.regions
     assert views == [(False, False)]
+
+
+def test_the_guards_work_is_never_traced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled code inside an eager region calls the guard's global hook while dynamo
+    traces: its bookkeeping must run eagerly, behind a graph break (NOTE [ the guard
+    under dynamo ]); traced, dynamo compiled it into frames that went stale."""
+    traced: list[bool] = []
+
+    def spy(module: nn.Module) -> bool:
+        traced.append(torch.compiler.is_dynamo_compiling())
+        return guarded(module)
+
+    monkeypatch.setattr(_guard, "guarded", spy)
+    torch._dynamo.reset()
+    block = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)))
+    x = torch.randn(6, 8, requires_grad=True)
+    with scopedckpt.checkpointing():
+        scopedckpt.checkpoint(block, x).sum().backward()
+    assert traced and not any(traced)

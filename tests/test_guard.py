@@ -110,7 +110,7 @@ def test_early_stop_and_errors_put_the_real_buffers_back() -> None:
     torch.autograd.grad(out.sum(), x)
     for name, buffer in model.named_buffers():
         assert buffer is real[name], name
-    assert not _guard._HANDLES  # the global hooks are gone with the last frame
+    assert not _guard.installed()  # the global hooks are gone with the last frame
 
 
 # The first forward hooks every module call; a plain recompute only the modules
@@ -127,16 +127,16 @@ def test_hooks_are_installed_only_while_a_region_runs(
     seen: list[int] = []
 
     def body(x: torch.Tensor) -> torch.Tensor:
-        seen.append(len(_guard._HANDLES))
+        seen.append(len(_guard.installed()))
         return x.sin()
 
     x = torch.ones(2, requires_grad=True)
-    assert not _guard._HANDLES
+    assert not _guard.installed()
     with scopedckpt.checkpointing(**options):  # type: ignore[arg-type]
         out = scopedckpt.checkpoint(body, x)
-    assert not _guard._HANDLES
+    assert not _guard.installed()
     out.sum().backward()
-    assert seen == expected and not _guard._HANDLES
+    assert seen == expected and not _guard.installed()
 
 
 class LateCounter(nn.Module):
@@ -269,7 +269,9 @@ def test_a_recompute_hooks_only_the_modules_with_state() -> None:
     seen: list[tuple[int, int, int]] = []
 
     def body(x: torch.Tensor) -> torch.Tensor:
-        seen.append((len(_guard._HANDLES), len(bn._forward_pre_hooks), len(lin._forward_pre_hooks)))
+        seen.append(
+            (len(_guard.installed()), len(bn._forward_pre_hooks), len(lin._forward_pre_hooks))
+        )
         return bn(lin(x))
 
     x = torch.randn(3, 4, requires_grad=True)
@@ -328,4 +330,21 @@ def test_a_lazy_buffer_the_guard_cannot_initialize_is_refused() -> None:
     ):
         with scopedckpt.checkpointing(model):
             model(x)
-    assert not _guard._HANDLES
+    assert not _guard.installed()
+
+
+def test_the_class_cache_forgets_classes_made_at_run_time() -> None:
+    """The guard caches per class by id: a class that goes must take its entry with it
+    (an id reused by a new class would otherwise inherit the old class's answer)."""
+    import gc
+
+    made = type("Made", (nn.Linear,), {})
+    layer = made(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    with scopedckpt.checkpointing():
+        scopedckpt.checkpoint(layer, x).sum().backward()
+    key = id(made)
+    assert key in _module_state._CLASSES
+    del made, layer
+    gc.collect()
+    assert key not in _module_state._CLASSES

@@ -58,7 +58,7 @@ def mechanisms(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., list[s
 
 def _nothing_active() -> None:
     assert SCOPE.get() is None and FRAME.get() is None
-    assert not _guard._HANDLES, "the guard's global hooks outlived the frame"
+    assert not _guard.installed(), "the guard's global hooks outlived the frame"
     assert _get_current_dispatch_mode() is None, "a dispatch mode outlived the frame"
 
 

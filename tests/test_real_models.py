@@ -22,7 +22,8 @@ Each family is checked three ways:
 ``test_selective_saving_is_exact`` checks ``save=`` (docs/selective.md) on each family.
 
 Families skip when their package is missing (``pip install -e '.[real]'``); the
-builders, and how timm is imported without torchvision, live in tests/real_models.py.
+builders live in benchmarks/real_families.py, how timm is imported without torchvision in
+benchmarks/real_imports.py, and tests/real_models.py turns a missing package into a skip.
 """
 
 from __future__ import annotations

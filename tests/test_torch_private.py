@@ -57,27 +57,31 @@ def test_flash_attention_for_cpu_is_tagged_random_even_without_dropout() -> None
 
 
 def test_global_module_hooks_run_for_every_call_and_on_exceptions() -> None:
-    """The buffer guard's hooks: public API, but its always_call behaviour is load-bearing."""
-    from torch.nn.modules import module as module_api
-
+    """The buffer guard puts its hooks into torch's global hook dicts at a key of its own:
+    they must run, pre-hooks before the module's own, post-hooks even when forward raises."""
     calls: list[str] = []
-    pre = module_api.register_module_forward_pre_hook(lambda m, a: calls.append("pre"))
-    post = module_api.register_module_forward_hook(
-        lambda m, a, o: calls.append("post"), always_call=True
-    )
 
     class Boom(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             raise ValueError("boom")
 
+    boom = Boom()
+    boom.register_forward_pre_hook(lambda m, a: calls.append("own pre"))
+    key = "test key"
+    _torch_private.GLOBAL_PRE_HOOKS[key] = lambda m, a: calls.append("pre")
+    _torch_private.GLOBAL_POST_HOOKS[key] = lambda m, a, o: calls.append("post")
+    _torch_private.GLOBAL_POST_HOOKS_ALWAYS_CALLED[key] = True
     try:
-        Boom()(torch.ones(1))
+        boom(torch.ones(1))
     except ValueError:
         pass
     finally:
-        pre.remove()
-        post.remove()
-    assert calls == ["pre", "post"]
+        del _torch_private.GLOBAL_PRE_HOOKS[key]
+        del _torch_private.GLOBAL_POST_HOOKS[key]
+        del _torch_private.GLOBAL_POST_HOOKS_ALWAYS_CALLED[key]
+    assert calls == ["pre", "own pre", "post"]
+    torch.nn.Linear(1, 1)(torch.ones(1))
+    assert calls == ["pre", "own pre", "post"]  # removed: torch reads the same dicts
 
 
 def test_generator_state_round_trips() -> None:
