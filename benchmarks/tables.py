@@ -295,6 +295,21 @@ def small_models(results: Results) -> list[str]:
     return _quick_note(data) + table(header, rows) + ["", "; ".join(models) + ".", facts]
 
 
+def verify(results: Results) -> list[str]:
+    """verify.json: step time with bitwise verification of every recompute over without."""
+    data = results["verify"]
+    header = ["model", "blocks", "rounds", "ms default", "ms bitwise", "bitwise/default"]
+    header.append("95 % interval")
+    rows = [
+        [r["model"], r["blocks"], r["rounds"]]
+        + [f"{r['median_ms'][v]:.2f}" for v in ("default", "bitwise")]
+        + [f"{r['bitwise/default']:.3f}", interval(r["bitwise/default 95% interval"])]
+        for r in data["rows"]
+    ]
+    facts = f"torch threads: {data['threads']}; intervals: {data['interval']}."
+    return _quick_note(data) + table(header, rows) + ["", facts]
+
+
 WRITTEN_BY = {
     "compiled": "python -m benchmarks.compiled",
     "fixed_heap": "python -m benchmarks.run --fixed-heap",
@@ -302,6 +317,7 @@ WRITTEN_BY = {
     "selective": "python -m benchmarks.selective",
     "small_models": "python -m benchmarks.small_models",
     "threads": "python -m benchmarks.threads",
+    "verify": "python -m benchmarks.verify",
 }
 
 
@@ -333,6 +349,7 @@ TABLES: dict[str, Callable[[Results], list[str]]] = {
     "recompute-dropout": _breakdown("recompute_dropout (mlp, 8 blocks)"),
     "dropout-formulations": dropout_formulations,
     "small-models": small_models,
+    "verify": verify,
     "compiled": compiled,
     "selective": selective,
     "threads": threads,

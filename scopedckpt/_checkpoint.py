@@ -11,13 +11,13 @@ import torch
 from . import _torch_private
 from ._engine import REENTRANT_MESSAGE, ContextFn
 from ._errors import ScopedCkptError
-from ._options import DEFAULT_OPTIONS, RegionOptions
+from ._options import DEFAULT_OPTIONS, DETERMINISM_CHECKS, RegionOptions
 from ._run import run_region
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
 
 R = TypeVar("R")
-_DETERMINISM_CHECKS = ("default", "none")
+_DETERMINISM_CHECKS = DETERMINISM_CHECKS
 
 
 def checkpoint(

@@ -66,10 +66,12 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from ._engine import _region, region_context_fn
+from ._errors import ScopedCkptError
 from ._options import DEFAULT_OPTIONS, RegionOptions
 from ._paths import EAGER, MIRROR, where
 from ._policy import compiled_contexts, traced_policy_info
 from ._state import DEFAULT_SCOPE, SCOPE
+from ._verify import BITWISE
 
 __all__ = ["compiled_region"]
 
@@ -118,6 +120,13 @@ def compiled_region(
     ``options.save``: the ``save=`` sequence given to :func:`scopedckpt.checkpoint`,
     or None for the innermost block's policy.
     """
+    if options.determinism_check == BITWISE:
+        raise ScopedCkptError(
+            "scopedckpt: determinism_check='bitwise' cannot apply in compiled code: there a "
+            "region is torch's checkpoint operator, recomputed inside the compiled backward, "
+            "with no recompute to fingerprint (NOTE [ bitwise verification ]). Verify the "
+            "model eagerly (the same regions without torch.compile), or pass 'default'."
+        )
     save = options.save
     if save is None:
         save = MIRROR.save  # a parsed policy (or None)

@@ -28,10 +28,12 @@ when an entry raises: no token, hook or mode outlives a frame.
 mechanism       tape                        frame
 ==============  ==========================  ====================================
 ``_strict``     nothing                     first forward under the detector
+``_inputs``     tensor inputs' versions     first forward: none written in place
 ``_rng``        generators' states          recomputes start from them
 ``_guard``      module states, per call     module calls guarded
 ``_selective``  kept op outputs             recorded, or served
 ``_report``     a memory_report row         saved tensors counted, time taken
+``_verify``     fingerprints (bitwise)      first forward: fingerprints taken
 ==============  ==========================  ====================================
 """
 
@@ -46,7 +48,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from . import _guard, _report, _rng, _selective, _strict, _torch_private
+from . import _guard, _inputs, _report, _rng, _selective, _strict, _torch_private, _verify
 from ._options import DEFAULT_OPTIONS, RegionOptions
 from ._policy import as_policy
 from ._state import FORWARD, FRAME, RECOMPUTE, SCOPE, Frame, Phase, Record, RegionCall, Scope, Tape
@@ -81,7 +83,7 @@ def _registered(*mechanisms: Mechanism) -> tuple[Mechanism, ...]:
 # mechanism refusing the region at its start (a save= policy that cannot apply)
 # leaves no row. A new mechanism: a module and a name here (or, for an
 # integration, a register_mechanism call in its package).
-MECHANISMS = _registered(_strict, _rng, _guard, _selective, _report)
+MECHANISMS = _registered(_strict, _inputs, _rng, _guard, _selective, _report, _verify)
 
 
 def register_mechanism(mechanism: Mechanism, *, first: bool = False) -> None:
@@ -158,6 +160,7 @@ class _EnterFrame:
         "_scope",
         "_tape",
         "holds",
+        "partner",
     )
 
     def __init__(
@@ -177,9 +180,16 @@ class _EnterFrame:
         # Holds on module target patches (_targets.Patches), released when torch frees
         # the region, with this context.
         self.holds: tuple[Any, ...] = ()
+        # A first forward's context: the region's recompute context.
+        self.partner: _EnterFrame | None = None
 
     def __del__(self) -> None:
-        for patches in self.holds:
+        self.release()
+
+    def release(self) -> None:
+        """Release the holds on target patches (once)."""
+        holds, self.holds = self.holds, ()
+        for patches in holds:
             patches.remove()
 
     def __enter__(self) -> None:
@@ -209,14 +219,27 @@ class _EnterFrame:
         tb: TracebackType | None,
     ) -> None:
         scope_token, frame_token, undos = self._entries.pop()
+        failed = exc_type is not None and not issubclass(
+            exc_type, _torch_private.STOP_RECOMPUTATION
+        )
         try:
             if len(undos) == 1:
                 undos[0](exc_type, exc, tb)
             else:
                 _undo(undos, (exc_type, exc, tb))
+        except BaseException:
+            failed = True
+            raise
         finally:
             FRAME.reset(frame_token)
             SCOPE.reset(scope_token)
+            if failed:
+                # A region whose first forward or recompute failed is not recomputed
+                # again. It may outlive the error, held by a cycle through torch's
+                # checkpoint (its saved-tensor hooks reach the region's inputs, whose
+                # graph reaches the hooks): the patches its recompute would need are
+                # released now.
+                (self.partner or self).release()
 
 
 def region_context_fn(
@@ -247,7 +270,16 @@ def region_context_fn(
     else:
         tape = Tape()
         save = as_policy(options.save)
-        call = RegionCall(owner, label, scope, args, kwargs, options.preserve_rng_state, save)
+        call = RegionCall(
+            owner,
+            label,
+            scope,
+            args,
+            kwargs,
+            options.preserve_rng_state,
+            save,
+            options.determinism_check,
+        )
         acting, bit = 0, 1
         for mechanism in MECHANISMS:
             if mechanism.start_region(tape, call):
@@ -258,6 +290,7 @@ def region_context_fn(
             parent.tape.records.append(Record(_REGION, owner_id, label, tape))
         forward = _EnterFrame(FORWARD, tape, scope, owner, rewind=False)
     recompute = _EnterFrame(RECOMPUTE, tape, scope, owner, rewind=True)
+    forward.partner = recompute
     if isinstance(owner, torch.nn.Module):
         # The owner's forward runs inside the region without __call__: guard it here.
         fn = _guard.guarded_call(owner, fn)
@@ -314,6 +347,7 @@ def _region(
         return fn(*args, **kwargs)
     if label is None:
         label = owner if owner is not None else fn
+    options = options.in_scope(scope.determinism_check)
     fn, contexts = region_context_fn(fn, owner, label, scope, args, kwargs, options)
     keywords = options.eager_keywords
     token = OWN_CALL.set(True)

@@ -19,6 +19,13 @@ as the first forward did:
   none: converted models keep no module state on the tape). Strict mode and
   selective saving, which must see every call, keep global hooks (a forward
   hook too, run after each call) in recomputes as well.
+* Hook order: the global pre-hook goes first among torch's global pre-hooks,
+  which run before every module's own; a recompute's own pre-hooks go before
+  the module's own (``prepend``), its forward hooks after them. So a buffer a
+  module's own pre-hook updates (legacy ``spectral_norm``'s power iteration)
+  is copied before and swapped before that hook runs. While any other global
+  pre-hook is installed (a user's may update buffers too), a recompute uses
+  the global hook instead of its own.
 * *What is guarded:* the registered buffers (``module._buffers``, not those of
   submodules: each submodule is guarded at its own call) of every module
   called through ``__call__`` inside a region, and the region's owner module
@@ -126,6 +133,10 @@ def _pre_hook(module: nn.Module, args: Any) -> None:
     frame = FRAME.get()
     if frame is None or frame.hooks is not None:
         return
+    if frame.phase is not RECOMPUTE:
+        modes = frame.tape.modes  # the recompute runs in these modes (enter_frame)
+        if id(module) not in modes:
+            modes[id(module)] = (module, module.training)
     if guarded(module):
         if frame.phase is not RECOMPUTE:
             initialize_lazy(frame, module, args)
@@ -171,8 +182,11 @@ FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
 
 
 def start_region(tape: Tape, call: RegionCall) -> bool:
-    """The guard fills the tape's states as the first forward calls modules: it acts in
-    every frame."""
+    """The guard fills the tape's states and modes as the first forward calls modules: it
+    acts in every frame."""
+    owner = call.owner
+    if isinstance(owner, nn.Module):  # its forward runs without __call__ in the region
+        tape.modes[id(owner)] = (owner, owner.training)
     return True
 
 
@@ -191,19 +205,37 @@ def enter_frame(frame: Frame) -> Callable[..., None]:
     # Strict mode's check and selective saving's module numbering see every call,
     # and after it too.
     every_call = frame.scope.strict or frame.tape.saved is not None
-    if frame.phase is RECOMPUTE and not every_call:
+    # Another global pre-hook (a user's) runs before every module's own hooks, and may
+    # update buffers: the guard's global one, in front of it, must swap them first.
+    foreign = len(GLOBAL_PRE_HOOKS) > (_KEY in GLOBAL_PRE_HOOKS)
+    if frame.phase is RECOMPUTE and not every_call and not foreign:
         modules = {id(s.module): s.module for s in frame.tape.states.values()}
         frame.hooks = [h for m in modules.values() for h in _own_hooks(frame, m)]
     else:
         _install(every_call)
-    return functools.partial(end, frame, every_call)
+    switched = _first_forward_modes(frame) if frame.phase is RECOMPUTE else None
+    return functools.partial(end, frame, every_call, switched)
 
 
-def end(frame: Frame, every_call: bool, *exc: object) -> None:
-    """Stop guarding a frame that is being left, leaving no swapped buffer behind."""
+def _first_forward_modes(frame: Frame) -> list[tuple[nn.Module, bool]] | None:
+    """Put the modules the first forward called back in the modes it called them in
+    (``model.eval()`` between forward and backward); returns those switched."""
+    switched = [(m, t) for m, t in frame.tape.modes.values() if m.training is not t]
+    for module, training in switched:
+        module.training = training
+    return switched or None
+
+
+def end(
+    frame: Frame, every_call: bool, switched: list[tuple[nn.Module, bool]] | None, *exc: object
+) -> None:
+    """Stop guarding a frame that is being left, leaving no swapped buffer or mode behind."""
     try:
         unwind(frame)
     finally:
+        if switched is not None:
+            for module, training in switched:
+                module.training = not training
         frame_left()
         if frame.hooks is not None:
             for handle in frame.hooks:
@@ -222,6 +254,9 @@ def _install(post: bool) -> None:
         _USERS["pre"] += 1
         if _USERS["pre"] == 1:
             GLOBAL_PRE_HOOKS[_KEY] = _pre_hook
+            # First: global pre-hooks run before the modules' own, and other global
+            # ones may update buffers too.
+            GLOBAL_PRE_HOOKS.move_to_end(_KEY, last=False)
         if post:
             _USERS["post"] += 1
             if _USERS["post"] == 1:
@@ -263,8 +298,10 @@ def _own_hooks(frame: Frame, module: nn.Module) -> list[RemovableHandle]:
         if FRAME.get() is frame and frame.guards and frame.guards[-1].module is module:
             exit_(frame, module)
 
+    # Before the module's own pre-hooks (spectral norm's power iteration updates its
+    # buffers in one), after its own forward hooks: they update the swapped copies.
     return [
-        module.register_forward_pre_hook(pre),
+        module.register_forward_pre_hook(pre, prepend=True),
         module.register_forward_hook(post, always_call=True),
     ]
 

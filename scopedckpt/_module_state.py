@@ -21,6 +21,7 @@ from torch.nn.parameter import is_lazy
 from ._errors import ScopedCkptError
 from ._state import RECOMPUTE, Frame, module_path
 from ._torch_private import module_buffers
+from ._verify import not_verified_statistics
 
 __all__ = [
     "GuardEntry",
@@ -167,6 +168,8 @@ def enter(frame: Frame, module: nn.Module) -> int:
     """Before a guarded call: copy its state (forward) or swap in the recorded one.
 
     Returns the call's index (how many calls of the module came before it)."""
+    if frame.tape.verifying is not None:
+        not_verified_statistics(module)  # the real ones now, the swapped copies below
     index = count_call(frame, module)
     stateful = _stateful(module)
     if frame.phase is not RECOMPUTE:
@@ -190,6 +193,8 @@ def enter(frame: Frame, module: nn.Module) -> int:
         swapped.append((name, module_buffers(module).get(name)))
         # A copy: a later recompute needs `before` again.
         module_buffers(module)[name] = before.clone()
+    if frame.tape.verifying is not None:
+        not_verified_statistics(module)
     current = _NONE
     if record.state is not _NONE:
         current = _snapshot(module)

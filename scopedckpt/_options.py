@@ -10,13 +10,17 @@ torch. Dynamo traces its construction (a frozen dataclass) as constants.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
 
 from ._torch_private import ContextFn
 
-__all__ = ["DEFAULT_OPTIONS", "RegionOptions"]
+__all__ = ["DEFAULT_OPTIONS", "DETERMINISM_CHECKS", "RegionOptions"]
+
+# torch's two, and scopedckpt's bitwise verification (NOTE [ bitwise verification ]).
+DETERMINISM_CHECKS = ("default", "none", "bitwise")
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,13 @@ class RegionOptions:
         # scopedckpt stashes more generators than torch does itself (NOTE [ RNG replay ]).
         keywords["preserve_rng_state"] = False
         return keywords
+
+    def in_scope(self, scope_check: str) -> RegionOptions:
+        """These options with the scope's ``determinism_check`` where they leave it at
+        ``"default"``."""
+        if scope_check == "default" or self.determinism_check != "default":
+            return self
+        return dataclasses.replace(self, determinism_check=scope_check)
 
 
 DEFAULT_OPTIONS = RegionOptions()

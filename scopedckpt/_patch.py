@@ -101,6 +101,8 @@ def _generator_body(
         return (
             yield from _torch_private.call_generator(torch_generator, fn, args, kwargs, options)
         )
+    if options["determinism_check"] == "default" and scope.determinism_check != "default":
+        options = dict(options, determinism_check=scope.determinism_check)
     fn, contexts = region_context_fn(
         fn,
         None,
@@ -109,7 +111,9 @@ def _generator_body(
         args,
         kwargs,
         RegionOptions(
-            preserve_rng_state=options["preserve_rng_state"], context_fn=options["context_fn"]
+            preserve_rng_state=options["preserve_rng_state"],
+            determinism_check=options["determinism_check"],
+            context_fn=options["context_fn"],
         ),
     )
     debug_on = _torch_private.checkpoint_debug_enabled(options["debug"])

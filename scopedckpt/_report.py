@@ -67,6 +67,7 @@ class RegionStats:
     records: int = 0
     recomputes: int = 0
     recompute_seconds: float = 0.0
+    verified: int = 0  # recomputed tensors compared bit for bit (determinism_check="bitwise")
     _seen: dict[int, Any] = field(default_factory=dict, repr=False)  # see _new_storage_bytes
     _buffers: frozenset[int] = field(default=frozenset(), repr=False)  # the owner's buffer storages
     _freed: dict[int, int] = field(default_factory=dict, repr=False)  # storage -> bytes freed
@@ -99,6 +100,7 @@ class MemoryReport:
                     "freed_bytes": 0,
                     "records": 0,
                     "recompute_seconds": 0.0,
+                    "verified": 0,
                 },
             )
             row["calls"] += 1
@@ -107,6 +109,7 @@ class MemoryReport:
             row["freed_bytes"] += stats.freed_bytes
             row["records"] += stats.records
             row["recompute_seconds"] += stats.recompute_seconds
+            row["verified"] += stats.verified
         return list(rows.values())
 
     @property
@@ -114,7 +117,7 @@ class MemoryReport:
         """The sums over every row."""
         rows = self.rows
         total: dict[str, Any] = {"region": "total"}
-        for key in ("calls", "recomputes", "kept_bytes", "freed_bytes", "records"):
+        for key in ("calls", "recomputes", "kept_bytes", "freed_bytes", "records", "verified"):
             total[key] = sum(row[key] for row in rows)
         total["recompute_seconds"] = sum(row["recompute_seconds"] for row in rows)
         return total
@@ -123,7 +126,11 @@ class MemoryReport:
         rows = self.rows
         if not rows:
             return "memory_report: no checkpoint region ran"
-        header = ("region", "calls", "recomputes", "kept", "freed", "records", "recompute")
+        header: tuple[str, ...] = (
+            "region", "calls", "recomputes", "kept", "freed", "records", "recompute"
+        )  # fmt: skip
+        if any(row["verified"] for row in rows):
+            header += ("verified",)
         lines = [
             (
                 row["region"],
@@ -133,7 +140,8 @@ class MemoryReport:
                 _size(row["freed_bytes"]),
                 str(row["records"]),
                 f"{row['recompute_seconds'] * 1e3:.2f} ms",
-            )
+                str(row["verified"]),
+            )[: len(header)]
             for row in [*rows, self.totals]
         ]
         widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from . import _targets
+from ._options import DETERMINISM_CHECKS
 from ._paths import EAGER, enter_block, exit_block, where
 from ._policy import SavePolicy, as_policy
 from ._state import SCOPE, Scope
@@ -78,6 +79,12 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         region's module (``"mlp.*"``), or callables ``(ctx, op, *args,
         **kwargs) -> bool`` as for torch's selective checkpointing; presets are
         in :mod:`scopedckpt.policies`. ``None`` inherits the outer block's.
+    determinism_check
+        How the regions made in this block check their recomputes, where a
+        region's own call leaves it at ``"default"``: ``"default"`` (torch
+        compares shapes, dtypes and devices), ``"bitwise"`` (values too, bit for
+        bit, from fingerprints: NOTE [ bitwise verification ]) or ``"none"``.
+        ``None`` inherits the outer block's.
 
     Raises
     ------
@@ -85,7 +92,8 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         If a target is neither a module, a module class nor a callable, a
         flag is not a bool, or a ``save`` item is none of the kinds above.
     ValueError
-        If a predicate target is given without ``root``.
+        If a predicate target is given without ``root``, or ``determinism_check``
+        is not one of the above.
 
     Example
     -------
@@ -107,6 +115,7 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         strict: bool | None = None,
         root: nn.Module | None = None,
         save: Any = None,
+        determinism_check: str | None = None,
     ) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(
@@ -124,6 +133,12 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
                 f"scopedckpt: checkpointing(root=...) must be an nn.Module, got "
                 f"{type(root).__name__}."
             )
+        if determinism_check is not None and determinism_check not in DETERMINISM_CHECKS:
+            raise ValueError(
+                f"scopedckpt: checkpointing(determinism_check=...) must be one of "
+                f"{DETERMINISM_CHECKS} or None, got {determinism_check!r}."
+            )
+        self._determinism_check = determinism_check
         self._targets = targets
         self._enabled = enabled
         self._strict = strict
@@ -173,6 +188,8 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
             inherited + ((patches,) if patches.holders else ()),
             self._root if self._root is not None else (parent.root if parent else None),
             self._save if self._save is not None else (parent.save if parent else None),
+            self._determinism_check
+            or (parent.determinism_check if parent is not None else "default"),
         )
         delta = int(self._enabled) - int(parent is not None and parent.enabled)
         token = SCOPE.set(scope)
@@ -202,6 +219,7 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
             strict=self._strict,
             root=self._root,
             save=self._save_items,
+            determinism_check=self._determinism_check,
         )
 
     def __call__(self, func: F) -> F:

@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # the mechanisms' own types; they import this module
     from ._report import RegionStats
     from ._rng import RngStash
     from ._selective import Saved, SavingMode
+    from ._verify import Verifying
 
 __all__ = ["Phase", "is_recomputing", "phase", "replay"]
 
@@ -98,6 +99,7 @@ class Scope:
     patches: tuple[Any, ...] = ()  # _targets.Patches of this scope and its parents
     root: Any = None  # the model module paths in error messages are relative to
     save: Any = None  # _policy.SavePolicy of the regions this scope makes, or None
+    determinism_check: str = "default"  # of its regions whose call leaves it at "default"
 
     def selects(self, module: object) -> bool:
         """Whether ``module``'s forward is a region in this scope."""
@@ -127,6 +129,7 @@ class RegionCall:
     kwargs: dict[str, Any]
     preserve_rng_state: bool
     save: SavePolicy | None  # overrides the scope's policy
+    determinism_check: str = "default"
 
 
 @dataclass(slots=True)
@@ -140,8 +143,13 @@ class Tape:
     records: list[Record] = field(default_factory=list)
     rng: RngStash | None = None  # _rng: None when the region does not replay the RNG
     states: dict[tuple[int, int], ModuleState] = field(default_factory=dict)  # _guard
+    # _guard: each module the first forward called, by id, with its mode then.
+    modes: dict[int, tuple[Any, bool]] = field(default_factory=dict)
     stats: RegionStats | None = None  # _report: while a memory_report() block measures it
     saved: Saved | None = None  # _selective: when the region has a save= policy
+    verifying: Verifying | None = None  # _verify: a region with determinism_check="bitwise"
+    # _inputs: the region's call and its tensor inputs' versions, until its forward ends.
+    inputs: tuple[RegionCall, tuple[tuple[int | str, Any, int], ...]] | None = None
     # The enter_frame of each mechanism acting in this region's frames, in order, by phase.
     forward_mechanisms: tuple[Callable[[Frame], Callable[..., Any] | None], ...] = ()
     recompute_mechanisms: tuple[Callable[[Frame], Callable[..., Any] | None], ...] = ()

@@ -114,6 +114,13 @@ class Patches:
     holders: list[Any] = field(default_factory=list)
     holds: int = 1
 
+    def release_all(self) -> None:
+        """Remove the patches now, whatever holds remain (after a region failed: torch's
+        checkpoint can keep such regions alive in a reference cycle)."""
+        with _LOCK:
+            self.holds = 1
+        self.remove()
+
     def share(self) -> Patches:
         """A further hold on the same patches (released by a ``remove()``)."""
         with _LOCK:
@@ -123,8 +130,9 @@ class Patches:
     def remove(self) -> None:
         with _LOCK:
             self.holds -= 1
-            if self.holds:
+            if self.holds > 0:
                 return
+            self.holds = 0  # released for good: later holds' removals do nothing
             for holder in self.holders:
                 patch = _PATCHES[id(holder)]
                 patch.count -= 1

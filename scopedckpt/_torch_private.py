@@ -53,9 +53,10 @@ import inspect
 import operator
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -69,6 +70,7 @@ __all__ = [
     "GLOBAL_PRE_HOOKS",
     "PATH",
     "SAC_IGNORED_OPS",
+    "STOP_RECOMPUTATION",
     "BatchNormBase",
     "CheckpointPath",
     "DropoutBase",
@@ -88,6 +90,7 @@ __all__ = [
     "generator_like",
     "module_buffers",
     "op_schema_facts",
+    "register_determinism_check",
     "top_saved_tensors_hooks",
     "tracing",
     "version_of",
@@ -384,9 +387,20 @@ module_buffers = operator.attrgetter("_buffers")
 # torch's global module hooks, by key: the buffer guard puts its own in at a key of its
 # own (registering returns a handle per install, at every region's first forward).
 _module = torch.nn.modules.module
-GLOBAL_PRE_HOOKS: dict[Any, Callable[..., Any]] = _module._global_forward_pre_hooks
+# An OrderedDict (tested): the guard moves its pre-hook to the front.
+GLOBAL_PRE_HOOKS = cast("OrderedDict[Any, Callable[..., Any]]", _module._global_forward_pre_hooks)
 GLOBAL_POST_HOOKS: dict[Any, Callable[..., Any]] = _module._global_forward_hooks
 GLOBAL_POST_HOOKS_ALWAYS_CALLED: dict[Any, bool] = _module._global_forward_hooks_always_called
+
+
+# What torch raises inside a recompute to end it early (early stop): no failure.
+STOP_RECOMPUTATION: type[BaseException] = torch_checkpoint._StopRecomputationError
+
+
+def register_determinism_check(name: str, metadata_fn: Callable[[torch.Tensor], Any]) -> None:
+    """Make ``determinism_check=name`` compare ``metadata_fn`` of each saved tensor between
+    a region's first forward and its recompute (torch's registry of the checks)."""
+    torch_checkpoint._allowed_determinism_checks_to_fns[name] = metadata_fn
 
 
 def bound_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -348,3 +348,64 @@ def test_the_class_cache_forgets_classes_made_at_run_time() -> None:
     del made, layer
     gc.collect()
     assert key not in _module_state._CLASSES
+
+
+def test_a_modules_own_pre_hook_updating_buffers_is_guarded_in_recomputes() -> None:
+    """Spectral norm updates its ``weight_u`` buffer in a forward pre-hook of its own: the
+    recompute's guard must swap the buffers before that hook runs (issue 25, hole 2)."""
+    torch.manual_seed(0)
+    normed = nn.utils.spectral_norm(nn.Linear(8, 8))
+    model = nn.Sequential(nn.Sequential(normed, nn.ReLU()), nn.Linear(8, 2))
+    assert_checkpoint_equivalent(model, torch.randn(4, 8), targets=[model[0]], steps=3)
+
+
+def test_a_global_pre_hook_updating_buffers_is_guarded() -> None:
+    """A user's global forward pre-hook, registered before any region, that updates a
+    buffer: the guard's own global hook goes first, in forwards and recomputes."""
+
+    class Counted(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(6, 6)
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * (1 + self.seen)
+
+    def count(module: nn.Module, args: object) -> None:
+        if isinstance(module, Counted):
+            module.seen.add_(1)
+
+    handle = nn.modules.module.register_module_forward_pre_hook(count)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Sequential(Counted(), nn.ReLU()), nn.Linear(6, 2))
+        assert_checkpoint_equivalent(model, torch.randn(4, 6), targets=[model[0]], steps=3)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("switch", ["eval", "train"])
+def test_a_mode_switch_between_forward_and_backward_recomputes_in_the_first_modes(
+    switch: str,
+) -> None:
+    """``model.eval()`` (or ``.train()``) after the forward: plain training is unaffected
+    (the graph is built), so the recompute of an unconverted model runs in the modes of
+    the first forward, and the modes set later are back afterwards (issue 25, hole 7)."""
+    x = torch.randn(5, 6)
+
+    def run(checkpointed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Dropout(0.3))
+        model = nn.Sequential(block, nn.Linear(6, 2))
+        model.train(switch == "eval")
+        torch.manual_seed(1)
+        with scopedckpt.checkpointing(block, enabled=checkpointed):
+            loss = model(x).square().sum()
+        getattr(model, switch)()
+        loss.backward()
+        assert all(m.training is (switch == "train") for m in model.modules())
+        return [p.grad for p in model.parameters() if p.grad is not None] + list(model.buffers())
+
+    plain, checkpointed = run(False), run(True)
+    assert len(plain) == len(checkpointed)
+    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))

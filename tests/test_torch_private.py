@@ -84,6 +84,13 @@ def test_global_module_hooks_run_for_every_call_and_on_exceptions() -> None:
     assert calls == ["pre", "own pre", "post"]  # removed: torch reads the same dicts
 
 
+def test_global_pre_hooks_keep_their_order_and_can_be_reordered() -> None:
+    """The guard moves its global pre-hook to the front of torch's (an OrderedDict)."""
+    from collections import OrderedDict
+
+    assert isinstance(_torch_private.GLOBAL_PRE_HOOKS, OrderedDict)
+
+
 def test_generator_state_round_trips() -> None:
     state = torch.default_generator.get_state()
     first = torch.rand(3)

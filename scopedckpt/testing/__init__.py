@@ -176,6 +176,7 @@ def assert_checkpoint_equivalent(
     lr: float = 0.01,
     require_regions: bool = True,
     save: Sequence[Any] | None = None,
+    determinism_check: str | None = None,
 ) -> None:
     """Assert that training ``model`` with checkpointing is bit-for-bit training without.
 
@@ -216,6 +217,11 @@ def assert_checkpoint_equivalent(
         A selective-saving policy for the checkpointed run (see
         :func:`scopedckpt.checkpointing`); module instances in it are mapped
         onto the copy like ``targets``.
+    determinism_check
+        The checkpointed run's ``checkpointing(determinism_check=...)``:
+        ``"bitwise"`` also verifies each recompute from fingerprints, raising
+        :class:`scopedckpt.ScopedCkptError` at the first saved tensor a
+        recompute did not reproduce.
 
     Raises
     ------
@@ -251,9 +257,12 @@ def assert_checkpoint_equivalent(
         policy = None if save is None else _retarget(save, model, copy_of_model)
         if targets is None:
             children = tuple(copy_of_model.children()) or (copy_of_model,)
-            return checkpointing(*children, save=policy)
+            return checkpointing(*children, save=policy, determinism_check=determinism_check)
         return checkpointing(
-            *_retarget(targets, model, copy_of_model), root=copy_of_model, save=policy
+            *_retarget(targets, model, copy_of_model),
+            root=copy_of_model,
+            save=policy,
+            determinism_check=determinism_check,
         )
 
     plain = _run(plain_model, example_inputs, loss, None, steps, seed, backward, lr)

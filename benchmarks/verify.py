@@ -1,0 +1,101 @@
+"""What bitwise verification of recomputes costs: step time with and without, side by side.
+
+Run from the repository root (writes ``benchmarks/results/verify.json``)::
+
+    python -m benchmarks.verify [--quick]
+
+Each model of :mod:`benchmarks.models` at ``DEPTH`` blocks, converted
+(``scopedckpt.convert``), every block a region of
+``with scopedckpt.checkpointing(model.blocks, determinism_check=...):``, in two
+variants on two instances built from the same seed: ``"default"`` (torch's shape
+check) and ``"bitwise"`` (NOTE [ bitwise verification ] in ``scopedckpt/_verify.py``:
+every saved tensor fingerprinted in the first forward and compared after each
+recompute). One process, one torch thread; rounds interleaved in rotating order; the
+ratio is the median of per-round paired ratios with a distribution-free 95 % interval
+(:func:`benchmarks.timing.paired`). Bytes kept for backward are the same in both
+variants (fingerprints are three int64 values per saved tensor); a verified region's
+first forward holds its saved tensors until it ends, as its recompute does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import scopedckpt
+
+from . import RESULTS, models
+from .timing import INTERVAL_METHOD, interleaved_rounds, paired
+
+DEPTH = 8
+THREADS = 1
+ROUNDS = 60
+QUICK_ROUNDS = 4
+MODELS = ("small_mlp", "mlp", "transformer", "cnn")
+VARIANTS = ("default", "bitwise")
+
+
+def _step(model: models.Blocks, x: torch.Tensor, check: str) -> Callable[[], None]:
+    def step() -> None:
+        with scopedckpt.checkpointing(model.blocks, determinism_check=check):
+            loss = model(x).square().mean()
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    return step
+
+
+def measure(kind: str, rounds: int) -> dict[str, Any]:
+    """One model's row: median step times and the paired ratio bitwise/default."""
+    steps = {}
+    for check in VARIANTS:
+        model, x = models.build(kind, DEPTH, "d")  # converted, checkpointed by the scope
+        steps[check] = _step(model, x, check)
+    times = interleaved_rounds(steps, 1, rounds)
+    median, low, high = paired(times, "bitwise", "default")
+    return {
+        "model": kind,
+        "blocks": DEPTH,
+        "rounds": rounds,
+        "median_ms": {v: statistics.median(t) * 1e3 for v, t in times.items()},
+        "bitwise/default": median,
+        "bitwise/default 95% interval": [low, high],
+    }
+
+
+def main(quick: bool) -> dict[str, object]:
+    """Every model's row, printed; written to ``results/verify.json``."""
+    torch.set_num_threads(THREADS)
+    rounds = QUICK_ROUNDS if quick else ROUNDS
+    rows = [measure(kind, rounds) for kind in MODELS]
+    print(f"\n{'model':<13}{'rounds':>7}{'default ms':>12}{'bitwise/default':>26}")
+    for row in rows:
+        low, high = row["bitwise/default 95% interval"]
+        print(
+            f"{row['model']:<13}{row['rounds']:>7}{row['median_ms']['default']:>12.2f}"
+            f"{row['bitwise/default']:>10.3f} ({low:.3f}-{high:.3f})"
+        )
+    results: dict[str, object] = {
+        "rows": rows,
+        "threads": THREADS,
+        "interval": INTERVAL_METHOD,
+        "quick": quick,
+        "torch": torch.__version__,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "verify.json").write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help=f"{QUICK_ROUNDS} rounds per model, a few seconds"
+    )
+    main(parser.parse_args().quick)

@@ -1,0 +1,73 @@
+"""A region's tensor inputs changed in place by its own forward, refused: a region mechanism.
+
+The recompute in backward starts from the region's inputs as they are then. A
+forward that writes into one of them (``nn.ReLU(inplace=True)`` first in a
+block, ``x.add_(...)``) leaves the recompute other values than the first forward
+saw: autograd raises an error that names no region when the input needs a
+gradient, and nothing at all says so when it does not. When a region starts,
+this mechanism notes its tensor inputs' version counters (bumped by every
+in-place write, through views too); when its first forward ends it raises
+:class:`ScopedCkptError` naming the region, the input and the fix if one moved.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import Tensor
+
+from ._errors import ScopedCkptError
+from ._state import FORWARD, Frame, RegionCall, Tape, describe, module_path
+from ._torch_private import version_of
+
+__all__ = ["FRAME_PHASES", "enter_frame", "start_region"]
+
+FRAME_PHASES = frozenset({FORWARD})
+
+
+def start_region(tape: Tape, call: RegionCall) -> bool:
+    """Note the versions of the region's tensor inputs; acts in its first forward if any."""
+    named: Iterable[tuple[int | str, Any]] = enumerate(call.args)
+    if call.kwargs:
+        named = [*named, *call.kwargs.items()]
+    inputs = tuple(
+        (name, value, version_of(value)) for name, value in named if isinstance(value, Tensor)
+    )
+    if not inputs:
+        return False
+    tape.inputs = (call, inputs)
+    return True
+
+
+def enter_frame(frame: Frame) -> Callable[..., None]:
+    """The first forward: check the inputs when it ends without an error."""
+    return functools.partial(_check, frame)
+
+
+def _check(frame: Frame, exc_type: object, *exc: object) -> None:
+    noted, frame.tape.inputs = frame.tape.inputs, None  # the check runs once
+    if exc_type is not None or noted is None:
+        return
+    call, inputs = noted
+    for name, tensor, version in inputs:
+        if version_of(tensor) != version:
+            raise ScopedCkptError(_message(call, name))
+
+
+def _message(call: RegionCall, name: int | str) -> str:
+    which = (
+        f"positional argument #{name}" if isinstance(name, int) else f"keyword argument {name!r}"
+    )
+    if call.owner is not None:
+        region = f"the forward of {module_path(call.owner, None, call.scope)}"
+    else:
+        region = describe(call.label)
+    return (
+        f"scopedckpt: the checkpoint region {region} changed its input ({which}) in place "
+        "during its forward, for instance with nn.ReLU(inplace=True) or x.add_(...) as its "
+        "first op. The recompute in backward would start from the changed values, not the "
+        "ones the first forward saw. Make that op out of place (inplace=False, x = x + ...), "
+        "or give the region a copy of the input (x.clone())."
+    )

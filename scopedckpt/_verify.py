@@ -1,0 +1,311 @@
+"""Bitwise verification of recomputes: fingerprints, not copies, of what backward uses.
+
+NOTE [ bitwise verification ]
+=============================
+torch's ``determinism_check="default"`` compares the shapes, dtypes and
+devices of the tensors a recompute saves with the first forward's. With
+``determinism_check="bitwise"`` scopedckpt compares their values, bit for
+bit, without keeping copies of the activations:
+
+* torch calls a region's ``determinism_check`` function once for every tensor
+  its first forward saves for backward, and again for every recomputed one,
+  comparing the two results with ``!=`` (its ``_allowed_determinism_checks_to_fns``
+  registry, read in ``_torch_private.py``). ``"bitwise"`` registers
+  :func:`fingerprint`: a :class:`Fingerprint` of shape, dtype, device and
+  two int64 sums of the tensor's bit patterns (the elements viewed as
+  integers of their own size), both from one pass that sums each row (the
+  last dimension): the sum of all elements, and the row sums weighted by the
+  row's index. One changed element changes the first sum (its bit pattern
+  changes by less than 2**64); moved rows change the weighted one. Values
+  moved within a row (the last dimension permuted, shape unchanged) are not
+  seen: the first version's second pass, over columns, with int64 row sums,
+  made a fingerprint four times as costly. Two int64 values kept per saved
+  tensor.
+* The first forward's fingerprint is taken when autograd saves the tensor:
+  what it saved then is what backward may use (a batch norm's running
+  statistics are saved and then updated again by a later call of the same
+  module). But some ops save an output before their kernel writes it
+  (``rrelu_with_noise`` saves its noise), and backward reads it after the op.
+  So in a scopedckpt region's first forward the saved tensors are held until
+  the forward ends, and those written in place since they were saved (their
+  version counter moved) get a second fingerprint then; a recomputed tensor
+  must match one of the two. A verified region's forward thus keeps its saved
+  activations alive to its end, as its recompute does. The recomputed side is
+  fingerprinted when torch checks, after the recompute.
+* On a mismatch the first differing tensor (in the order the forward saved
+  them) raises :class:`ScopedCkptError` naming the region, the tensor's
+  position, shape and dtype, the source line that saved it (the innermost
+  frame outside torch and scopedckpt) and the likely causes. Which elements
+  differ, and by how much, needs the first forward's values, which are not
+  kept: the message says how to find them (train the step once without
+  checkpointing and compare, ``scopedckpt.testing.assert_checkpoint_equivalent``).
+* Compiled regions are torch's checkpoint operator, whose recompute is part
+  of the compiled backward: nothing there is verified, and ``"bitwise"`` in
+  compiled code raises (``_compiled.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ._errors import ScopedCkptError
+from ._selective import internal
+from ._state import FORWARD, FRAME, Frame, RegionCall, Tape, describe, module_path
+from ._torch_private import NormBase, register_determinism_check, version_of
+
+__all__ = [
+    "BITWISE",
+    "FRAME_PHASES",
+    "Fingerprint",
+    "Verifying",
+    "enter_frame",
+    "fingerprint",
+    "not_verified",
+    "not_verified_statistics",
+    "start_region",
+]
+
+BITWISE = "bitwise"
+
+
+class _Counters:
+    """How many saved tensors recomputes were compared on, bit for bit (tests read it)."""
+
+    compared = 0
+
+
+COUNTERS = _Counters()
+
+FRAME_PHASES = frozenset({FORWARD})
+
+_INTEGERS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SKIPPED_SOURCES = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(__file__) + os.sep,
+    os.path.dirname(functools.__file__) + os.sep,  # the standard library
+)
+
+
+@dataclass
+class Verifying:
+    """A verified region (on its tape): its call, and the fingerprints its first forward
+    has still to take."""
+
+    call: RegionCall
+    tape: Tape
+    pending: list[Fingerprint] = field(default_factory=list)
+    saved: int = 0  # tensors its first forward saved so far
+
+
+# Marks tensors that regions save but whose values are not compared (by shape, dtype
+# and device only): normalization layers' running statistics. Their kernels update them
+# in place without moving the version counter, a later call of the same module in the
+# region updates them again, and backward in training does not read them; recomputes
+# save copies (the buffer guard's, scoped batch norm's throwaway ones).
+_NOT_VERIFIED = "_scopedckpt_not_verified"
+
+
+def not_verified(*tensors: Tensor | None) -> None:
+    """Compare these saved tensors by shape, dtype and device only."""
+    for tensor in tensors:
+        if tensor is not None:
+            setattr(tensor, _NOT_VERIFIED, True)
+
+
+def not_verified_statistics(module: object) -> None:
+    """A normalization layer's running statistics are not compared (see above)."""
+    if isinstance(module, NormBase):
+        not_verified(module.running_mean, module.running_var)
+
+
+def start_region(tape: Tape, call: RegionCall) -> bool:
+    """A region with ``determinism_check="bitwise"`` is verified: act in its first forward."""
+    if call.determinism_check != BITWISE:
+        return False
+    tape.verifying = Verifying(call, tape)
+    return True
+
+
+def enter_frame(frame: Frame) -> Callable[..., None]:
+    """The first forward: take the fingerprints of what it saved when it ends."""
+    return functools.partial(_finish, frame)
+
+
+def _finish(frame: Frame, *exc: object) -> None:
+    verifying = frame.tape.verifying
+    assert verifying is not None  # start_region said so
+    pending, verifying.pending = verifying.pending, []
+    if frame.tape.saved is None:
+        for print_ in pending:
+            print_.take()
+        return
+    with internal():
+        for print_ in pending:
+            print_.take()
+
+
+@functools.lru_cache(maxsize=64)
+def _weights(n: int, device: torch.device) -> Tensor:
+    """Ones, and the row indices from 1: the two sums as one matrix-vector product."""
+    return torch.stack([torch.ones(n, dtype=torch.int64), torch.arange(1, n + 1)]).to(device)
+
+
+def _sums(x: Tensor) -> Tensor:
+    """The two int64 sums of NOTE [ bitwise verification ]."""
+    x = x.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    bits = x.view(_INTEGERS[x.element_size()]) if x.dtype != torch.bool else x.byte()
+    if bits.dim() < 2:
+        bits = bits.reshape(1, -1)
+    # The one pass over x. Row sums wrap modulo 2**32 (int32 accumulates three times
+    # faster than int64 on CPU); one element changing its bits by less than 2**32
+    # still changes its row's sum.
+    accumulate = torch.int64 if bits.element_size() == 8 else torch.int32
+    rows = bits.sum(dim=-1, dtype=accumulate).reshape(-1).to(torch.int64)
+    return torch.mv(_weights(rows.numel(), rows.device), rows)
+
+
+def _source() -> str:
+    """The innermost frame outside torch, scopedckpt and the standard library."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if not frame.f_code.co_filename.startswith(_SKIPPED_SOURCES):
+            code = frame.f_code
+            return f"{code.co_filename}:{frame.f_lineno} (in {code.co_name})"
+        frame = frame.f_back
+    return "an unknown line"
+
+
+class Fingerprint:
+    """What ``determinism_check="bitwise"`` keeps of one saved tensor, and compares."""
+
+    __slots__ = (
+        "_tensor",
+        "_version",
+        "device",
+        "dtype",
+        "index",
+        "later",
+        "op",
+        "region",
+        "shape",
+        "source",
+        "sums",
+    )
+
+    def __init__(self, x: Tensor, region: Verifying | None, index: int, source: str) -> None:
+        self.shape, self.dtype, self.device = tuple(x.shape), x.dtype, x.device
+        self.region, self.index, self.source = region, index, source
+        plain = (
+            x.layout == torch.strided and type(x) is Tensor and not getattr(x, _NOT_VERIFIED, False)
+        )
+        self.sums = _sums(x) if plain else None  # as saved
+        self.later: Tensor | None = None  # when the first forward ended, if written since
+        self.op = ""  # the autograd node that made the tensor, if any
+        # Held to the end of a region's first forward (take).
+        self._tensor: Tensor | None = x if plain and region is not None else None
+        self._version = version_of(x) if self._tensor is not None else 0
+
+    def take(self) -> None:
+        """The first forward ends: fingerprint the tensor again if it was written since it
+        was saved, and let it go."""
+        x, self._tensor = self._tensor, None
+        if x is None:
+            return
+        node = x.grad_fn
+        if node is not None:
+            self.op = type(node).__name__.removesuffix("0").removesuffix("Backward")
+        # Written since saved: in place (the version moved), or by a kernel that moves no
+        # version, which only tensors outside the graph (noise, buffers) are.
+        if version_of(x) != self._version or (node is None and not x.requires_grad):
+            self.later = _sums(x)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Fingerprint):
+            return NotImplemented
+        if self._tensor is not None:
+            self.take()  # a forward that has not ended: backward inside it
+        same = (self.shape, self.dtype, self.device) == (other.shape, other.dtype, other.device)
+        if same and self.sums is not None and other.sums is not None:
+            COUNTERS.compared += 1
+            stats = None if self.region is None else self.region.tape.stats
+            if stats is not None:  # a memory_report() block counts it
+                stats.verified += 1
+            same = torch.equal(self.sums, other.sums) or (
+                self.later is not None and torch.equal(self.later, other.sums)
+            )
+        if not same and self.region is not None:
+            # The step is lost, and torch's checkpoint keeps its regions alive in a
+            # reference cycle after a failed backward: the module targets are unpatched.
+            for patches in self.region.call.scope.patches:
+                patches.release_all()
+            raise ScopedCkptError(self._message(other))
+        return same
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return NotImplemented if equal is NotImplemented else not equal
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Fingerprint(shape={self.shape}, dtype={self.dtype}, sums={self.sums})"
+
+    def _message(self, recomputed: Fingerprint) -> str:
+        assert self.region is not None
+        call = self.region.call
+        if call.owner is not None:
+            region = f"the forward of {module_path(call.owner, None, call.scope)}"
+        else:
+            region = describe(call.label)
+        if (self.shape, self.dtype) != (recomputed.shape, recomputed.dtype):
+            what = (
+                f"has shape {recomputed.shape} and dtype {recomputed.dtype} in the recompute, "
+                f"{self.shape} and {self.dtype} in the first forward"
+            )
+        else:
+            what = f"({self.dtype}, shape {self.shape}) has other values in the recompute"
+        made = f"the output of {self.op}, " if self.op else ""
+        return (
+            f"scopedckpt: bitwise verification failed: the recompute of checkpoint region "
+            f"{region} did not reproduce its first forward. Saved tensor #{self.index} "
+            f"{what}: {made}saved by the first forward at {self.source}. Backward would have used "
+            "the recomputed values. Likely causes: an op that writes a saved output after "
+            "saving it (RReLU: pass early_stop=False); a buffer or parameter the forward "
+            "changes in place outside the buffer guard (nn.Embedding(max_norm=...), a buffer "
+            "written through a method): make the module Stateful or use a scoped layer; a "
+            "Python attribute the forward changes (self.calls += 1): implement "
+            "scopedckpt.Stateful; a random op with its own torch.Generator: use a scoped "
+            "layer with generator=...; control flow that depends on data changed between "
+            "forward and backward. The first forward's values are not kept (fingerprints "
+            "only): scopedckpt.testing.assert_checkpoint_equivalent(model, *inputs) trains "
+            "the step both ways and names the values that differ."
+        )
+
+
+def fingerprint(x: Tensor) -> Fingerprint:
+    """torch's ``metadata_fn`` for ``determinism_check="bitwise"``: a :class:`Fingerprint`
+    of ``x`` now, completed when a verified region's first forward ends."""
+    frame = FRAME.get()
+    verifying = None if frame is None else frame.tape.verifying
+    if verifying is None or frame is None or frame.phase is not FORWARD:
+        return Fingerprint(x, None, -1, "")
+    if frame.tape.saved is None:
+        print_ = Fingerprint(x, verifying, verifying.saved, _source())
+    else:
+        with internal():  # no op calls of the region's (NOTE [ selective saving ])
+            print_ = Fingerprint(x, verifying, verifying.saved, _source())
+    verifying.saved += 1
+    verifying.pending.append(print_)
+    return print_
+
+
+register_determinism_check(BITWISE, fingerprint)

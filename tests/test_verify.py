@@ -1,0 +1,212 @@
+"""``determinism_check="bitwise"``: recomputes proven equal to the first forward, bit for bit,
+from fingerprints (``_verify.py``, NOTE [ bitwise verification ]; issue 25)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import scopedckpt
+from scopedckpt import _verify
+from scopedckpt.integrations import patch_torch_checkpoint
+from scopedckpt.testing import assert_checkpoint_equivalent
+
+from .strategies import Case, cases
+
+
+class Counting(nn.Module):
+    """A Python attribute changed in forward that feeds the computation (issue 25, hole 6)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.linear(x) * self.calls)
+
+
+class Perturbed(nn.Module):
+    """Changes one value of a tensor autograd saves by one ulp, only in recomputes."""
+
+    def __init__(self, index: int, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.index = index
+        self.weight = nn.Parameter(torch.randn(shape[-1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.sigmoid()
+        if scopedckpt.is_recomputing():
+            flat = y.detach().reshape(-1).clone()
+            i = self.index % flat.numel()
+            flat[i] = torch.nextafter(flat[i], torch.tensor(float("inf")))
+            y = y + (flat.reshape(y.shape) - y).detach()  # the same graph, one value moved
+        return y * self.weight  # saves y: weight needs a gradient
+
+
+def test_a_python_attribute_changed_in_forward_is_caught_and_named() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(Counting(), nn.ReLU()), nn.Linear(4, 1))
+    with scopedckpt.checkpointing(model[1], root=model, determinism_check="bitwise"):
+        loss = model(torch.randn(3, 4)).sum()
+    with pytest.raises(scopedckpt.ScopedCkptError) as error:
+        loss.backward()
+    message = str(error.value)
+    assert "bitwise verification failed" in message
+    assert "'1' (Sequential)" in message  # the region
+    assert "Tanh" in message  # the op whose saved output differs first
+    assert re.search(r"test_verify\.py:\d+ \(in forward\)", message)  # the source line
+    assert "Stateful" in message  # a fix
+
+
+def test_default_check_is_silent_where_bitwise_is_not() -> None:
+    """torch's own check compares shapes only: the same model trains silently wrong."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Counting(), nn.ReLU())
+    x = torch.randn(3, 4, requires_grad=True)
+    torch_checkpoint.checkpoint(model, x, use_reentrant=False).sum().backward()  # no error
+    with scopedckpt.checkpointing():
+        out = scopedckpt.checkpoint(model, x, determinism_check="bitwise")
+    with pytest.raises(scopedckpt.ScopedCkptError, match="bitwise verification failed"):
+        out.sum().backward()
+
+
+@given(st.integers(0, 10_000), st.sampled_from([(3, 5), (2, 3, 4), (17,)]))
+def test_any_single_value_changed_by_one_ulp_is_caught(index: int, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    region = Perturbed(index, shape)
+    x = torch.randn(*shape, requires_grad=True)
+    with scopedckpt.checkpointing():
+        out = scopedckpt.checkpoint(region, x, determinism_check="bitwise")
+    with pytest.raises(scopedckpt.ScopedCkptError, match="Saved tensor #"):
+        out.sum().backward()
+
+
+def test_reordered_values_are_caught() -> None:
+    """A recompute whose values are the forward's, rows swapped: the plain sum is blind."""
+
+    class Swapped(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x * 2
+            return (y.flip(0) if scopedckpt.is_recomputing() else y).exp()
+
+    x = torch.randn(4, 3, requires_grad=True)
+    with scopedckpt.checkpointing():
+        out = scopedckpt.checkpoint(Swapped(), x, determinism_check="bitwise")
+    with pytest.raises(scopedckpt.ScopedCkptError):
+        out.sum().backward()
+
+
+@given(case=cases(), backward=st.sampled_from(["backward", "retain_graph"]))
+def test_exact_models_pass_bitwise_verification(case: Case, backward: str) -> None:
+    """Random models (test_exactness's) are exact, so verification never raises on them."""
+    assert_checkpoint_equivalent(
+        case.model,
+        case.x,
+        targets=(),
+        steps=case.steps,
+        seed=case.seed,
+        backward=backward,
+        determinism_check="bitwise",
+    )
+
+
+def test_an_exact_recompute_is_compared_on_every_saved_tensor() -> None:
+    torch.manual_seed(0)
+    block = scopedckpt.convert(
+        nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.3), nn.GELU())
+    )
+    x = torch.randn(5, 4, requires_grad=True)
+    before = _verify.COUNTERS.compared
+    with scopedckpt.checkpointing(determinism_check="bitwise"):
+        out = scopedckpt.checkpoint(block, x)
+    out.sum().backward()
+    assert _verify.COUNTERS.compared - before >= 4  # linear, batch norm, dropout, gelu
+
+
+def test_rrelu_with_early_stop_is_caught_and_exact_without_it() -> None:
+    """RReLU saves its noise before writing it: torch's early stop ends the recompute
+    inside the op (issue 25, hole 1). Verification says so; early_stop=False is exact."""
+    torch.manual_seed(0)
+    region = nn.Sequential(nn.Linear(4, 4), nn.RReLU())
+    x = torch.randn(3, 4, requires_grad=True)
+    with scopedckpt.checkpointing():
+        out = scopedckpt.checkpoint(region, x, determinism_check="bitwise")
+    with pytest.raises(scopedckpt.ScopedCkptError, match="early_stop=False"):
+        out.sum().backward()
+    with scopedckpt.checkpointing():
+        out = scopedckpt.checkpoint(region, x, determinism_check="bitwise", early_stop=False)
+    out.sum().backward()
+
+
+def test_every_recompute_is_verified_and_nested_regions_too() -> None:
+    torch.manual_seed(0)
+    inner = nn.Sequential(Counting(), nn.ReLU())
+    outer = nn.Sequential(nn.Linear(4, 4), inner)
+    x = torch.randn(3, 4, requires_grad=True)
+    with scopedckpt.checkpointing(inner, outer, determinism_check="bitwise"):
+        out = outer(x)
+    with pytest.raises(scopedckpt.ScopedCkptError, match="bitwise verification failed"):
+        out.sum().backward()
+
+
+def test_the_patch_and_checkpoint_sequential_take_bitwise() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Counting(), nn.ReLU(), nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(3, 4, requires_grad=True)
+    with scopedckpt.checkpointing():
+        out = scopedckpt.checkpoint_sequential(model, 2, x, determinism_check="bitwise")
+    with pytest.raises(scopedckpt.ScopedCkptError):
+        out.sum().backward()
+    with patch_torch_checkpoint(), scopedckpt.checkpointing():
+        out = torch_checkpoint.checkpoint(
+            model, x, use_reentrant=False, determinism_check="bitwise"
+        )
+    with pytest.raises(scopedckpt.ScopedCkptError):
+        out.sum().backward()
+
+
+def test_fingerprints_of_equal_tensors_are_equal_and_of_others_not() -> None:
+    x = torch.randn(5, 6)
+    a, b = _verify.fingerprint(x), _verify.fingerprint(x.clone())
+    assert a == b
+    for other in (x.t().contiguous().t(), x + 0.0):
+        assert _verify.fingerprint(other) == a
+    y = x.clone()
+    y[2, 3] = torch.nextafter(y[2, 3], torch.tensor(float("inf")))
+    assert _verify.fingerprint(y) != a
+    assert _verify.fingerprint(x.flip(0)) != a  # rows moved
+    assert _verify.fingerprint(x.reshape(6, 5)) != a
+    for t in (torch.ones(3, dtype=torch.bool), torch.randn(3, dtype=torch.complex64),
+              torch.randn(2, 2).half(), torch.tensor(1.5)):  # fmt: skip
+        assert _verify.fingerprint(t) == _verify.fingerprint(t.clone())
+
+
+def test_bitwise_in_compiled_code_raises() -> None:
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return scopedckpt.checkpoint(torch.sin, x, determinism_check="bitwise")
+
+    torch._dynamo.reset()
+    with scopedckpt.checkpointing():
+        with pytest.raises(Exception, match="cannot apply in compiled code"):
+            torch.compile(step, backend="eager")(torch.randn(3, requires_grad=True))
+
+
+def test_memory_report_counts_the_verified_tensors() -> None:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    x = torch.randn(3, 4, requires_grad=True)
+    with scopedckpt.memory_report() as report:
+        with scopedckpt.checkpointing():
+            out = scopedckpt.checkpoint(block, x, determinism_check="bitwise")
+        out.sum().backward()
+    (row,) = report.rows
+    assert row["recomputes"] == 1 and row["verified"] >= 2  # linear input, tanh output
+    assert "verified" in str(report)
