@@ -26,7 +26,6 @@ per-round paired ratios with a distribution-free 95 % interval from order statis
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -35,9 +34,9 @@ import torch
 
 import scopedckpt
 
-from . import RESULTS, models
+from . import models
 from .internals import saved_activation_bytes
-from .timing import INTERVAL_METHOD, interleaved_rounds, paired
+from .timing import interleaved_rounds, paired, save_paired_results
 
 DEPTH = 8
 THREADS = 1
@@ -110,16 +109,7 @@ def main(quick: bool) -> dict[str, object]:
             low, high = row[f"{n}/{d} 95% interval"]
             cells.append(f"{row[f'{n}/{d}']:.3f} ({low:.3f}-{high:.3f})")
         print(f"{row['model']:<11}{row['rounds']:>7}" + "".join(f"{c:>22}" for c in cells))
-    results: dict[str, object] = {
-        "rows": rows,
-        "threads": THREADS,
-        "interval": INTERVAL_METHOD,
-        "quick": quick,
-        "torch": torch.__version__,
-    }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "small_models.json").write_text(json.dumps(results, indent=2) + "\n")
-    return results
+    return save_paired_results("small_models", rows, THREADS, quick)
 
 
 if __name__ == "__main__":

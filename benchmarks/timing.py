@@ -10,10 +10,16 @@ the few percent between variants, and both times of a round see the same drift.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import RESULTS
 
 INTERVAL_METHOD = (
     "distribution-free 95 % interval of the median: the order statistics of the sorted "
@@ -93,3 +99,20 @@ def paired(
             below = max(k - 1, 0)
             break
     return statistics.median(ratios), ratios[below], ratios[n - 1 - below]
+
+
+def save_paired_results(
+    name: str, rows: list[dict[str, Any]], threads: int, quick: bool
+) -> dict[str, object]:
+    """Write ``results/<name>.json`` for a section of paired ratios: its rows, the torch
+    threads, the interval method, whether it was a quick run and the torch version."""
+    results: dict[str, object] = {
+        "rows": rows,
+        "threads": threads,
+        "interval": INTERVAL_METHOD,
+        "quick": quick,
+        "torch": torch.__version__,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    return results

@@ -20,7 +20,6 @@ first forward holds its saved tensors until it ends, as its recompute does.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -29,8 +28,8 @@ import torch
 
 import scopedckpt
 
-from . import RESULTS, models
-from .timing import INTERVAL_METHOD, interleaved_rounds, paired
+from . import models
+from .timing import interleaved_rounds, paired, save_paired_results
 
 DEPTH = 8
 THREADS = 1
@@ -81,16 +80,7 @@ def main(quick: bool) -> dict[str, object]:
             f"{row['model']:<13}{row['rounds']:>7}{row['median_ms']['default']:>12.2f}"
             f"{row['bitwise/default']:>10.3f} ({low:.3f}-{high:.3f})"
         )
-    results: dict[str, object] = {
-        "rows": rows,
-        "threads": THREADS,
-        "interval": INTERVAL_METHOD,
-        "quick": quick,
-        "torch": torch.__version__,
-    }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "verify.json").write_text(json.dumps(results, indent=2) + "\n")
-    return results
+    return save_paired_results("verify", rows, THREADS, quick)
 
 
 if __name__ == "__main__":
