@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -192,8 +193,26 @@ def traced_policy_info(save: Any) -> tuple[int, bool]:
     return policy.key, policy.selects_modules
 
 
+# Policies of ops, patterns and classes, interned by their items and by key; the
+# oldest goes when there are _INTERNED_MAX (compiled regions keep theirs: _TRACED).
 _INTERNED: dict[tuple[Any, ...], SavePolicy] = {}
+_INTERNED_BY_KEY: dict[int, SavePolicy] = {}
+_INTERNED_MAX = 256
 _INTERNABLE = (OpOverload, OpOverloadPacket, str, type)
+
+
+@torch.compiler.assume_constant_result  # NOTE [ policies built in compiled code ]
+def _intern(items: tuple[Any, ...]) -> int:
+    """The key of the interned policy of ``items`` (all internable), built on first use."""
+    key = tuple((type(item), item) for item in items)
+    policy = _INTERNED.get(key)
+    if policy is None:
+        if len(_INTERNED) >= _INTERNED_MAX:
+            oldest = next(iter(_INTERNED))
+            del _INTERNED_BY_KEY[_INTERNED.pop(oldest).key]
+        policy = _INTERNED[key] = SavePolicy(items)
+        _INTERNED_BY_KEY[policy.key] = policy
+    return policy.key
 
 
 def as_policy(save: Any) -> SavePolicy | None:
@@ -217,10 +236,11 @@ def as_policy(save: Any) -> SavePolicy | None:
     if not all(isinstance(item, _INTERNABLE) for item in items):
         # Module instances and callables: interning would keep them alive.
         return SavePolicy(items)
-    key = tuple((type(item), item) for item in items)
-    policy = _INTERNED.get(key)
-    if policy is None:
-        policy = SavePolicy(items)
-        if len(_INTERNED) < 256:
-            _INTERNED[key] = policy
-    return policy
+    # NOTE [ policies built in compiled code ]
+    # ========================================
+    # checkpointing(save=[...]) may be entered inside compiled code, where dynamo
+    # cannot trace building a SavePolicy (weak references; it failed or not
+    # depending on what ran before). _intern is a constant-result call: dynamo
+    # runs it at trace time and its result, the key, is a constant of the graph.
+    # Reading _INTERNED here instead would guard on a dict that call changes.
+    return _INTERNED_BY_KEY[_intern(items)]

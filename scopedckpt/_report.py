@@ -17,8 +17,9 @@ is open (in any thread: a recompute runs in backward, possibly elsewhere):
   forward, that module's parameters and buffers.
 * *kept*: the region's input tensors (once per storage; parameters excluded),
   plus what its tape holds for the recompute: the generators' states of the
-  RNG replay, the buffer guard's copies and the op outputs a ``save=`` policy
-  keeps (moved from *freed* where the ops also saved them for backward).
+  RNG replay, the buffer guard's copies, the op outputs a ``save=`` policy
+  keeps and small channel-wise dropout noise (moved from *freed* where the ops
+  also saved them for backward).
 * *records*: the scoped-layer decisions on the tape (a dropout seed, a batch
   norm mode: a few bytes each).
 * *recompute time*: wall time inside each recompute, from the moment its frame
@@ -344,16 +345,24 @@ def finish_forward(stats: RegionStats, tape: Tape) -> None:
         stats.kept_bytes += sum(state.nbytes for _, state in tape.rng.devices)
     for state in tape.states.values():
         stats.kept_bytes += sum(tensor.nbytes for _, tensor in state.buffers)
+    kept = [  # channel-wise dropout noise (NOTE [ noise on the tape ] in _dropout.py)
+        value
+        for record in tape.records
+        if type(record.value) is tuple
+        for value in record.value
+        if isinstance(value, torch.Tensor)
+    ]
     if tape.saved is not None:  # outputs kept by save= (NOTE [ selective saving ])
-        for tensor in tape.saved.tensors():
-            key = tensor.untyped_storage().data_ptr()
-            counted = stats._freed.pop(key, None)
-            if counted is not None and key in stats._seen:
-                # Saved for backward and kept by the policy: not freed after all.
-                stats.freed_bytes -= counted
-                stats.kept_bytes += counted
-            else:
-                stats.kept_bytes += _new_storage_bytes(stats._seen, tensor)
+        kept += tape.saved.tensors()
+    for tensor in kept:
+        key = tensor.untyped_storage().data_ptr()
+        counted = stats._freed.pop(key, None)
+        if counted is not None and key in stats._seen:
+            # Saved for backward and kept on the tape: not freed after all.
+            stats.freed_bytes -= counted
+            stats.kept_bytes += counted
+        else:
+            stats.kept_bytes += _new_storage_bytes(stats._seen, tensor)
 
 
 def recomputed(stats: RegionStats, seconds: float) -> None:

@@ -48,3 +48,12 @@ def _no_scope_leaks():
     assert not _patch._ORIGINALS, "patch_torch_checkpoint left torch.utils.checkpoint patched"
     assert torch_checkpoint.checkpoint.__module__ == "torch.utils.checkpoint"
     assert not _report._ACTIVE, "a memory_report block leaked out of the test"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Shuffle the tests when ``SCOPEDCKPT_SHUFFLE=<seed>`` is set (hunting order dependence)."""
+    seed = os.environ.get("SCOPEDCKPT_SHUFFLE")
+    if seed:
+        import random
+
+        random.Random(int(seed)).shuffle(items)

@@ -107,6 +107,41 @@ def test_rows_count_calls_recomputes_and_what_the_region_keeps() -> None:
     assert text.splitlines()[-1].startswith("total")
 
 
+def test_channel_dropout_noise_kept_on_the_tape_counts_as_kept_not_freed() -> None:
+    """NOTE [ noise on the tape ]: a region with Dropout2d keeps its channel noise for
+    the recompute; the report moves those bytes from freed to kept."""
+    torch.manual_seed(0)
+    block = scopedckpt.convert(nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.Dropout2d(0.3)))
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    with scopedckpt.memory_report(root=block) as report:
+        with scopedckpt.checkpointing(block):
+            loss = block(x).sum()
+        loss.backward()
+    (row,) = report.rows
+    noise = 2 * 8 * 4  # one float per (sample, channel)
+    stash = torch.get_rng_state().nbytes
+    assert row["kept_bytes"] == x.nbytes + stash + noise
+    plain = _storage_bytes_saved_plainly_one(block, x)
+    assert row["freed_bytes"] == plain - noise
+
+
+def _storage_bytes_saved_plainly_one(block: nn.Module, x: torch.Tensor) -> int:
+    seen = {t.untyped_storage().data_ptr() for t in (x, *block.parameters())}
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        key = tensor.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    return total
+
+
 def test_function_regions_are_named_by_the_function_and_nested_regions_get_rows() -> None:
     inner = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
 

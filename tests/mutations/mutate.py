@@ -441,6 +441,24 @@ MUTANTS: tuple[Mutant, ...] = (
         "runs in eval mode and torch's checkpoint raises a tensor-count mismatch",
     ),
     Mutant(
+        "dropout_noise_rebuilt_in_the_recompute",
+        "scopedckpt/_dropout.py",
+        "    if noise is not None:  # NOTE [ noise on the tape ]",
+        "    if noise is not None and phase is not RECOMPUTE:",
+        ("tests/test_layers.py", "tests/test_report.py"),
+        "channel-wise dropout rebuilds its mask in every recompute: the noise kept for it "
+        "is dead weight",
+    ),
+    Mutant(
+        "policy_built_in_the_trace",
+        "scopedckpt/_policy.py",
+        "@torch.compiler.assume_constant_result  # NOTE [ policies built in compiled code ]\n",
+        "",
+        ("tests/test_selective_compile.py",),
+        "checkpointing(save=[...]) first entered in compiled code builds its policy in the "
+        "trace: dynamo fails there, or not, depending on what ran before",
+    ),
+    Mutant(
         "verify_compares_shapes_only",
         "scopedckpt/_verify.py",
         "            same = torch.equal(self.sums, other.sums) or (",
