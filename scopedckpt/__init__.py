@@ -42,6 +42,7 @@ from ._layers import (
 )
 from ._module_state import Stateful
 from ._report import MemoryReport, memory_report
+from ._sampling import set_verification_sampling
 from ._scope import checkpointing
 from ._state import Phase, is_recomputing, phase, replay
 
@@ -73,4 +74,5 @@ __all__ = [
     "phase",
     "policies",
     "replay",
+    "set_verification_sampling",
 ]

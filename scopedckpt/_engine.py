@@ -40,6 +40,7 @@ mechanism       tape                        frame
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 from collections.abc import Callable
 from types import TracebackType
@@ -51,6 +52,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from . import _guard, _inputs, _report, _rng, _selective, _strict, _torch_private, _verify
 from ._options import DEFAULT_OPTIONS, RegionOptions
 from ._policy import as_policy
+from ._sampling import sampled_check
 from ._state import FORWARD, FRAME, RECOMPUTE, SCOPE, Frame, Phase, Record, RegionCall, Scope, Tape
 
 __all__ = ["MECHANISMS", "Mechanism", "region_context_fn", "register_mechanism"]
@@ -348,11 +350,16 @@ def _region(
     if label is None:
         label = owner if owner is not None else fn
     options = options.in_scope(scope.determinism_check)
+    debug = _torch_private.checkpoint_debug_enabled(options.debug)
+    if not debug:  # torch's debug mode explains its own check's failures
+        check = sampled_check(options.determinism_check, owner, fn)
+        if check is not options.determinism_check:  # NOTE [ sampled verification ]
+            options = dataclasses.replace(options, determinism_check=check)
     fn, contexts = region_context_fn(fn, owner, label, scope, args, kwargs, options)
     keywords = options.eager_keywords
     token = OWN_CALL.set(True)
     try:
-        if _torch_private.checkpoint_debug_enabled(options.debug):
+        if debug:
             # torch's debug mode is a context_fn of its own: ours rides along with it.
             with _torch_private.debug_composed(contexts):
                 return torch_checkpoint.checkpoint(fn, *args, debug=True, **keywords, **kwargs)

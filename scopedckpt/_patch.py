@@ -57,6 +57,7 @@ from . import _torch_private
 from ._engine import OWN_CALL, REENTRANT_MESSAGE, layer_of, region_context_fn
 from ._errors import ScopedCkptError
 from ._options import RegionOptions
+from ._sampling import sampled_check
 from ._scope import decorate
 from ._state import DEFAULT_SCOPE, SCOPE, Scope
 from ._torch_private import PATH
@@ -103,6 +104,11 @@ def _generator_body(
         )
     if options["determinism_check"] == "default" and scope.determinism_check != "default":
         options = dict(options, determinism_check=scope.determinism_check)
+    debug_on = _torch_private.checkpoint_debug_enabled(options["debug"])
+    if not debug_on:  # NOTE [ sampled verification ] in _sampling.py
+        check = sampled_check(options["determinism_check"], layer_of(fn), fn)
+        if check is not options["determinism_check"]:
+            options = dict(options, determinism_check=check)
     fn, contexts = region_context_fn(
         fn,
         None,
@@ -116,7 +122,6 @@ def _generator_body(
             context_fn=options["context_fn"],
         ),
     )
-    debug_on = _torch_private.checkpoint_debug_enabled(options["debug"])
     options = dict(
         options,
         preserve_rng_state=False,  # the region stashes the generators itself (NOTE [ RNG replay ])

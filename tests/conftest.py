@@ -36,9 +36,12 @@ def _no_scope_leaks():
     """Every test must leave no scope, frame, patch or global hook behind."""
     import torch.utils.checkpoint as torch_checkpoint
 
-    from scopedckpt import _guard, _patch, _report, _targets
+    from scopedckpt import _guard, _patch, _report, _sampling, _targets
     from scopedckpt._state import FRAME, SCOPE
 
+    # Sampled verification counts calls per site, some sites (module-level functions)
+    # shared by tests: each test starts counting afresh, whatever ran before it.
+    _sampling._Sampling.sites.clear()
     yield
     gc.collect()  # regions hold target patches until torch frees them
     assert SCOPE.get() is None, "a checkpointing scope leaked out of the test"
@@ -57,3 +60,14 @@ def pytest_collection_modifyitems(config, items):
         import random
 
         random.Random(int(seed)).shuffle(items)
+
+
+@pytest.fixture
+def no_sampling():
+    """No sampled verification (NOTE [ sampled verification ]): for tests of what torch's
+    own check or scopedckpt's counters do without it."""
+    import scopedckpt
+
+    previous = scopedckpt.set_verification_sampling(0)
+    yield
+    scopedckpt.set_verification_sampling(previous)

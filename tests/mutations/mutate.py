@@ -450,6 +450,31 @@ MUTANTS: tuple[Mutant, ...] = (
         "is dead weight",
     ),
     Mutant(
+        "sampling_verifies_nothing",
+        "scopedckpt/_sampling.py",
+        '    return "bitwise" if calls % every == 0 else check',
+        "    return check",
+        ("tests/test_sampling.py",),
+        "the default check verifies nothing: a model that cannot be recomputed exactly "
+        "trains silently wrong",
+    ),
+    Mutant(
+        "sampling_site_per_function_object",
+        "scopedckpt/_sampling.py",
+        "        return id(code), code",
+        "        return id(fn), fn",
+        ("tests/test_sampling.py",),
+        "a lambda region is a new site at every call: every call is verified, at full cost",
+    ),
+    Mutant(
+        "sampling_ignores_reused_ids",
+        "scopedckpt/_sampling.py",
+        "    if entry is None or entry[0]() is not alive:",
+        "    if entry is None:",
+        ("tests/test_sampling.py",),
+        "a new model whose module reuses a freed module's id is not verified on its first step",
+    ),
+    Mutant(
         "policy_built_in_the_trace",
         "scopedckpt/_policy.py",
         "@torch.compiler.assume_constant_result  # NOTE [ policies built in compiled code ]\n",
