@@ -31,6 +31,7 @@ mechanism       tape                        frame
 ``_inputs``     tensor inputs' versions     first forward: none written in place
 ``_rng``        generators' states          recomputes start from them
 ``_guard``      module states, per call     module calls guarded
+``_written``    subtree tensors' versions   first forward: none written unguarded
 ``_selective``  kept op outputs             recorded, or served
 ``_report``     a memory_report row         saved tensors counted, time taken
 ``_verify``     fingerprints (bitwise)      first forward: fingerprints taken
@@ -49,7 +50,18 @@ from typing import Any, Protocol, TypeVar
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from . import _guard, _inputs, _report, _rng, _selective, _strict, _torch_private, _verify
+from . import (
+    _guard,
+    _inputs,
+    _report,
+    _rng,
+    _selective,
+    _strict,
+    _torch_private,
+    _verify,
+    _written,
+)
+from ._early_stop import full_recompute
 from ._options import DEFAULT_OPTIONS, RegionOptions
 from ._policy import as_policy
 from ._sampling import sampled_check
@@ -85,7 +97,7 @@ def _registered(*mechanisms: Mechanism) -> tuple[Mechanism, ...]:
 # mechanism refusing the region at its start (a save= policy that cannot apply)
 # leaves no row. A new mechanism: a module and a name here (or, for an
 # integration, a register_mechanism call in its package).
-MECHANISMS = _registered(_strict, _inputs, _rng, _guard, _selective, _report, _verify)
+MECHANISMS = _registered(_strict, _inputs, _rng, _guard, _written, _selective, _report, _verify)
 
 
 def register_mechanism(mechanism: Mechanism, *, first: bool = False) -> None:
@@ -350,9 +362,15 @@ def _region(
     if label is None:
         label = owner if owner is not None else fn
     options = options.in_scope(scope.determinism_check)
+    # The module the region runs: its owner, or the function's (a module, a bound method).
+    module = owner if owner is not None else layer_of(fn)
+    if module is None and isinstance(fn, torch.nn.Module):
+        module = fn
+    if options.early_stop and module is not None and full_recompute(module):  # type: ignore[arg-type]
+        options = dataclasses.replace(options, early_stop=False)  # NOTE [ late writes ]
     debug = _torch_private.checkpoint_debug_enabled(options.debug)
     if not debug:  # torch's debug mode explains its own check's failures
-        check = sampled_check(options.determinism_check, owner, fn)
+        check = sampled_check(options.determinism_check, module, fn)
         if check is not options.determinism_check:  # NOTE [ sampled verification ]
             options = dataclasses.replace(options, determinism_check=check)
     fn, contexts = region_context_fn(fn, owner, label, scope, args, kwargs, options)

@@ -34,6 +34,9 @@ as the first forward did:
   registered buffers, parameters changed in place in forward, globals,
   buffers a module registers during its own call (the guard looks before
   the call): use :func:`scopedckpt.replay` or the protocol for those.
+  Parameters of a module region changed in place, and buffers of modules the
+  region never calls, are refused when its forward ends (NOTE [ unguarded
+  writes ] in ``_written.py``).
   torch's lazy modules keep placeholders until their first call fills them;
   the guard fills them itself first (``initialize_lazy`` in ``_module_state.py``).
 * First forward: before each guarded call the module's buffers are copied

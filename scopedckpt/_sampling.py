@@ -10,14 +10,14 @@ site and at every ``every``-th call after it (64 unless
 :func:`set_verification_sampling` says otherwise). So a model whose recompute
 is not exact fails on its first step, before its first optimizer step, and one
 that stops being exact later (data-dependent state) at the next sampled call;
-only sampled calls pay for verification. A site is the module whose forward the region
-is (or the module passed as the function), or else the code of the region's
-function (lambdas and bound methods are new objects at every call). Counts are
-kept per site beside a weak reference that tells a module from a later one at
-the same id; past ``_SITES_MAX`` sites they start over. Not sampled: regions
-whose call passes its own check (``"bitwise"``, ``"none"``), regions under
-torch's debug mode (it explains torch's own check), compiled regions (torch's
-operator: nothing to verify).
+only sampled calls pay for verification. A site is the module whose forward
+the region is (or the module passed as the function, or the module of a bound
+method or partial), or else the code of the region's function (lambdas are new
+objects at every call). Counts are kept per site beside a weak reference that
+tells a module from a later one at the same id; past ``_SITES_MAX`` sites they
+start over. Not sampled: regions whose call passes its own check
+(``"bitwise"``, ``"none"``), regions under torch's debug mode (it explains
+torch's own check), compiled regions (torch's operator: nothing to verify).
 """
 
 from __future__ import annotations

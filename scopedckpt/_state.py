@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # the mechanisms' own types; they import this module
     from ._rng import RngStash
     from ._selective import Saved, SavingMode
     from ._verify import Verifying
+    from ._written import Noted
 
 __all__ = ["Phase", "is_recomputing", "phase", "replay"]
 
@@ -150,6 +151,8 @@ class Tape:
     verifying: Verifying | None = None  # _verify: a region with determinism_check="bitwise"
     # _inputs: the region's call and its tensor inputs' versions, until its forward ends.
     inputs: tuple[RegionCall, tuple[tuple[int | str, Any, int], ...]] | None = None
+    # _written: the owner's parameters' and buffers' versions, until its forward ends.
+    written: Noted | None = None
     # The enter_frame of each mechanism acting in this region's frames, in order, by phase.
     forward_mechanisms: tuple[Callable[[Frame], Callable[..., Any] | None], ...] = ()
     recompute_mechanisms: tuple[Callable[[Frame], Callable[..., Any] | None], ...] = ()

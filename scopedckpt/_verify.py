@@ -173,15 +173,26 @@ def _sums(x: Tensor) -> Tensor:
     return torch.mv(_weights(rows.numel(), rows.device), rows)
 
 
-def _source() -> str:
-    """The innermost frame outside torch, scopedckpt and the standard library."""
+# NOTE [ unread saved tensors ]: in eval mode rrelu_with_noise saves its noise
+# without writing it, and its backward (leaky ReLU's) never reads it: the forward
+# and the recompute each save whatever memory they got. Such a tensor, saved under
+# F.rrelu(training=False) with no autograd history, is compared by shape only.
+_RRELU = torch.nn.functional.rrelu.__code__
+
+
+def _source() -> tuple[str, bool]:
+    """The innermost frame outside torch, scopedckpt and the standard library, and whether
+    the tensor is saved under ``F.rrelu`` in eval mode (NOTE [ unread saved tensors ])."""
     frame = inspect.currentframe()
+    unread = False
     while frame is not None:
-        if not frame.f_code.co_filename.startswith(_SKIPPED_SOURCES):
-            code = frame.f_code
-            return f"{code.co_filename}:{frame.f_lineno} (in {code.co_name})"
+        code = frame.f_code
+        if code is _RRELU and not frame.f_locals.get("training", True):
+            unread = True
+        if not code.co_filename.startswith(_SKIPPED_SOURCES):
+            return f"{code.co_filename}:{frame.f_lineno} (in {code.co_name})", unread
         frame = frame.f_back
-    return "an unknown line"
+    return "an unknown line", unread
 
 
 class Fingerprint:
@@ -279,9 +290,10 @@ class Fingerprint:
             f"{region} did not reproduce its first forward. Saved tensor #{self.index} "
             f"{what}: {made}saved by the first forward at {self.source}. Backward would have used "
             "the recomputed values. Likely causes: an op that writes a saved output after "
-            "saving it (RReLU: pass early_stop=False); a buffer or parameter the forward "
-            "changes in place outside the buffer guard (nn.Embedding(max_norm=...), a buffer "
-            "written through a method): make the module Stateful or use a scoped layer; a "
+            "saving it (F.rrelu outside an nn.RReLU layer: pass early_stop=False); a buffer "
+            "the forward changes without moving its version (through .data, or a kernel "
+            "such as batch norm's called on another module's buffers): make the module "
+            "Stateful or use a scoped layer; a "
             "Python attribute the forward changes (self.calls += 1): implement "
             "scopedckpt.Stateful; a random op with its own torch.Generator: use a scoped "
             "layer with generator=...; control flow that depends on data changed between "
@@ -298,11 +310,14 @@ def fingerprint(x: Tensor) -> Fingerprint:
     verifying = None if frame is None else frame.tape.verifying
     if verifying is None or frame is None or frame.phase is not FORWARD:
         return Fingerprint(x, None, -1, "")
+    source, unread = _source()
+    if unread and x.grad_fn is None and not x.requires_grad:
+        not_verified(x)  # NOTE [ unread saved tensors ]
     if frame.tape.saved is None:
-        print_ = Fingerprint(x, verifying, verifying.saved, _source())
+        print_ = Fingerprint(x, verifying, verifying.saved, source)
     else:
         with internal():  # no op calls of the region's (NOTE [ selective saving ])
-            print_ = Fingerprint(x, verifying, verifying.saved, _source())
+            print_ = Fingerprint(x, verifying, verifying.saved, source)
     verifying.saved += 1
     verifying.pending.append(print_)
     return print_

@@ -123,6 +123,23 @@ class Counter(nn.Module):
         return x * (1.0 - (self.steps % 4).to(x.dtype) * 0.125)
 
 
+class HookedCounter(Counter):
+    """A step counter updated by the module's own forward pre-hook (as the legacy
+    ``spectral_norm`` updates its vectors), read by its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_forward_pre_hook(_tick)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * (1.0 - (self.steps % 4).to(x.dtype) * 0.125)
+
+
+def _tick(module: nn.Module, args: Any) -> None:
+    if module.training:
+        module.steps += 1  # type: ignore[operator]
+
+
 @st.composite
 def layers(draw: st.DrawFn, rank: int, c: int) -> nn.Module:
     """One shape-preserving layer for input of ``rank`` with ``c`` channels."""
@@ -145,7 +162,7 @@ def layers(draw: st.DrawFn, rank: int, c: int) -> nn.Module:
     kinds += ["alpha_dropout"] + (["channel_dropout", "feature_alpha_dropout"] if rank > 2 else [])
     # Unscoped ones: replayed by the RNG stash, guarded by the buffer guard.
     kinds += ["torch_dropout", "functional_dropout", "drop_path", "torch_batch_norm"]
-    kinds += ["own_forward_batch_norm", "counter", "noise"]
+    kinds += ["own_forward_batch_norm", "counter", "noise", "hooked_counter", "rrelu"]
     kind = draw(st.sampled_from(kinds))
     if kind == "torch_dropout":
         return nn.Dropout(draw(probabilities))
@@ -155,6 +172,10 @@ def layers(draw: st.DrawFn, rank: int, c: int) -> nn.Module:
         return DropPath(draw(probabilities))
     if kind == "counter":
         return Counter()
+    if kind == "hooked_counter":
+        return HookedCounter()
+    if kind == "rrelu":  # saves its noise before writing it (NOTE [ late writes ])
+        return nn.RReLU()
     if kind == "noise":
         return Noise()
     if kind in ("torch_batch_norm", "own_forward_batch_norm"):
