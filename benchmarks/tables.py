@@ -299,11 +299,12 @@ def verify(results: Results) -> list[str]:
     """verify.json: step time with bitwise verification of every recompute over without."""
     data = results["verify"]
     header = ["model", "blocks", "rounds", "ms default", "ms bitwise", "bitwise/default"]
-    header.append("95 % interval")
+    header += ["95 % interval", "peak heap MiB default", "bitwise"]
     rows = [
         [r["model"], r["blocks"], r["rounds"]]
         + [f"{r['median_ms'][v]:.2f}" for v in ("default", "bitwise")]
         + [f"{r['bitwise/default']:.3f}", interval(r["bitwise/default 95% interval"])]
+        + [f"{r['peak_heap_mib'][v]:.1f}" for v in ("default", "bitwise")]
         for r in data["rows"]
     ]
     facts = f"torch threads: {data['threads']}; intervals: {data['interval']}."

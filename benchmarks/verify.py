@@ -13,8 +13,12 @@ every saved tensor fingerprinted in the first forward and compared after each
 recompute). One process, one torch thread; rounds interleaved in rotating order; the
 ratio is the median of per-round paired ratios with a distribution-free 95 % interval
 (:func:`benchmarks.timing.paired`). Bytes kept for backward are the same in both
-variants (fingerprints are three int64 values per saved tensor); a verified region's
-first forward holds its saved tensors until it ends, as its recompute does.
+variants (fingerprints are two int64 values per saved tensor); a verified region's
+first forward holds its saved tensors until it ends, as its recompute does, which the
+peak heap in use during a step shows (glibc ``mallinfo2`` sampled after every aten op,
+:func:`benchmarks.heap.peak_in_use`, the most of three steps per variant). Sampled
+verification (NOTE [ sampled verification ]) is off in this process, so ``"default"``
+verifies nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 
 import scopedckpt
 
-from . import models
+from . import heap, models
 from .timing import interleaved_rounds, paired, save_paired_results
 
 DEPTH = 8
@@ -58,6 +62,7 @@ def measure(kind: str, rounds: int) -> dict[str, Any]:
         steps[check] = _step(model, x, check)
     times = interleaved_rounds(steps, 1, rounds)
     median, low, high = paired(times, "bitwise", "default")
+    peaks = {v: max(heap.peak_in_use(step) for _ in range(3)) / 2**20 for v, step in steps.items()}
     return {
         "model": kind,
         "blocks": DEPTH,
@@ -65,12 +70,14 @@ def measure(kind: str, rounds: int) -> dict[str, Any]:
         "median_ms": {v: statistics.median(t) * 1e3 for v, t in times.items()},
         "bitwise/default": median,
         "bitwise/default 95% interval": [low, high],
+        "peak_heap_mib": peaks,
     }
 
 
 def main(quick: bool) -> dict[str, object]:
     """Every model's row, printed; written to ``results/verify.json``."""
     torch.set_num_threads(THREADS)
+    scopedckpt.set_verification_sampling(0)  # "default": torch's check alone
     rounds = QUICK_ROUNDS if quick else ROUNDS
     rows = [measure(kind, rounds) for kind in MODELS]
     print(f"\n{'model':<13}{'rounds':>7}{'default ms':>12}{'bitwise/default':>26}")
