@@ -23,9 +23,13 @@ as the first forward did:
   which run before every module's own; a recompute's own pre-hooks go before
   the module's own (``prepend``), its forward hooks after them. So a buffer a
   module's own pre-hook updates (legacy ``spectral_norm``'s power iteration)
-  is copied before and swapped before that hook runs. While any other global
+  is copied before and swapped before that hook runs, and one its own forward
+  hook updates is updated on the swapped copy. While any other global
   pre-hook is installed (a user's may update buffers too), a recompute uses
-  the global hook instead of its own.
+  the global hook instead of its own pre-hooks. Global forward hooks run
+  before a module's own, so a recompute guarded by global hooks (strict mode,
+  selective saving, a foreign pre-hook) still puts the real buffers back from
+  forward hooks of its own, after the module's.
 * *What is guarded:* the registered buffers (``module._buffers``, not those of
   submodules: each submodule is guarded at its own call) of every module
   called through ``__call__`` inside a region, and the region's owner module
@@ -171,7 +175,7 @@ def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
         frame.modules.pop()
         if frame.selective is not None:
             frame.selective.exit_module()
-    if frame.guards and frame.guards[-1].module is module:
+    if frame.exits is None and frame.guards and frame.guards[-1].module is module:
         _outside_numbering(frame, exit_, module)
 
 
@@ -216,6 +220,11 @@ def enter_frame(frame: Frame) -> Callable[..., None]:
         frame.hooks = [h for m in modules.values() for h in _own_hooks(frame, m)]
     else:
         _install(every_call)
+        if frame.phase is RECOMPUTE:
+            # Global post hooks run before a module's own: the real buffers go back
+            # after those (which update the swapped copies), from hooks of its own.
+            modules = {id(s.module): s.module for s in frame.tape.states.values()}
+            frame.exits = [_own_exit(frame, m) for m in modules.values()]
     switched = _first_forward_modes(frame) if frame.phase is RECOMPUTE else None
     return functools.partial(end, frame, every_call, switched)
 
@@ -245,6 +254,9 @@ def end(
                 handle.remove()
         else:
             _uninstall(every_call)
+            for handle in frame.exits or ():
+                handle.remove()
+            frame.exits = None
 
 
 # The key of the guard's global hooks in torch's dicts of them (torch's are handle ids,
@@ -296,17 +308,20 @@ def _own_hooks(frame: Frame, module: nn.Module) -> list[RemovableHandle]:
         if FRAME.get() is frame:  # other threads and frames may call it meanwhile
             enter(frame, module)
 
-    @torch.compiler.disable
-    def post(module: nn.Module, args: Any, output: Any) -> None:
-        if FRAME.get() is frame and frame.guards and frame.guards[-1].module is module:
-            exit_(frame, module)
-
     # Before the module's own pre-hooks (spectral norm's power iteration updates its
     # buffers in one), after its own forward hooks: they update the swapped copies.
-    return [
-        module.register_forward_pre_hook(pre, prepend=True),
-        module.register_forward_hook(post, always_call=True),
-    ]
+    return [module.register_forward_pre_hook(pre, prepend=True), _own_exit(frame, module)]
+
+
+def _own_exit(frame: Frame, module: nn.Module) -> RemovableHandle:
+    """A forward hook on ``module`` alone, after its own, that puts its real buffers back."""
+
+    @torch.compiler.disable  # NOTE [ the guard under dynamo ]
+    def post(module: nn.Module, args: Any, output: Any) -> None:
+        if FRAME.get() is frame and frame.guards and frame.guards[-1].module is module:
+            _outside_numbering(frame, exit_, module)
+
+    return module.register_forward_hook(post, always_call=True)
 
 
 def guarded_call(owner: nn.Module, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -178,6 +178,8 @@ class Frame:
     selective: SavingMode | None = None  # _selective: tracks module calls (module policies)
     modules: list[tuple[int, int]] = field(default_factory=list)  # (id, call index) running now
     hooks: list[RemovableHandle] | None = None  # _guard: a recompute's own; None: global ones
+    # _guard: a recompute's own post hooks where global pre-hooks guard its calls.
+    exits: list[RemovableHandle] | None = None
 
     def take(self, kind: str, owner_id: int | None, label: object) -> Record:
         """Return the next record in ``RECOMPUTE``, checking it belongs to the owner."""

@@ -359,6 +359,45 @@ def test_a_modules_own_pre_hook_updating_buffers_is_guarded_in_recomputes() -> N
     assert_checkpoint_equivalent(model, torch.randn(4, 8), targets=[model[0]], steps=3)
 
 
+class PostCounted(nn.Module):
+    """A buffer updated by the module's own forward (post) hook, read by its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_forward_hook(_count_call)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * (1 + self.calls)
+
+
+def _count_call(module: nn.Module, args: object, output: object) -> None:
+    module.calls.add_(1)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    "scope", [{}, {"strict": True}, {"save": [torch.ops.aten.mm]}, {"save": [nn.Linear]}]
+)
+def test_a_modules_own_post_hook_updating_buffers_is_guarded_in_recomputes(
+    scope: dict[str, object],
+) -> None:
+    """Per-module recompute hooks (plain) and the global ones (strict mode, selective
+    saving) alike: the module's own post hook updates copies in the recompute (issue 25,
+    hole 2, post hooks)."""
+    torch.manual_seed(0)
+    # A layer after it saves a tensor, so the recompute (early stop) runs its hooks too.
+    block = nn.Sequential(nn.Linear(8, 8), PostCounted(), nn.Linear(8, 8))
+    model = nn.Sequential(block, nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    for step in range(2):
+        with scopedckpt.checkpointing(model[0], root=model, **scope):  # type: ignore[arg-type]
+            loss = model(x).sum()
+        loss.backward()
+        assert float(model[0][1].calls) == step + 1
+    assert_checkpoint_equivalent(model, x, targets=[model[0]], steps=2, determinism_check="bitwise")
+
+
 def test_a_global_pre_hook_updating_buffers_is_guarded() -> None:
     """A user's global forward pre-hook, registered before any region, that updates a
     buffer: the guard's own global hook goes first, in forwards and recomputes."""

@@ -516,6 +516,24 @@ MUTANTS: tuple[Mutant, ...] = (
         "an eval-mode RReLU region fails verification on garbage its backward never reads",
     ),
     Mutant(
+        "guard_puts_buffers_back_before_the_modules_own_post_hooks",
+        "scopedckpt/_guard.py",
+        "    return module.register_forward_hook(post, always_call=True)",
+        "    return module.register_forward_hook(post, always_call=True, prepend=True)",
+        ("tests/test_guard.py",),
+        "a module's own forward hook that updates a buffer updates the real one again in "
+        "every recompute",
+    ),
+    Mutant(
+        "guard_global_post_hook_puts_buffers_back_first",
+        "scopedckpt/_guard.py",
+        "    if frame.exits is None and frame.guards and frame.guards[-1].module is module:",
+        "    if frame.guards and frame.guards[-1].module is module:",
+        ("tests/test_guard.py",),
+        "in strict mode and under selective saving a module's own forward hook updates its "
+        "real buffer again in every recompute",
+    ),
+    Mutant(
         "policy_built_in_the_trace",
         "scopedckpt/_policy.py",
         "@torch.compiler.assume_constant_result  # NOTE [ policies built in compiled code ]\n",
