@@ -27,24 +27,32 @@ def _model() -> nn.Sequential:
     return scopedckpt.convert(nn.Sequential(*blocks, nn.Linear(32, 1)))
 
 
-def _storage_bytes_saved_plainly(model: nn.Sequential, x: torch.Tensor) -> int:
-    """What the blocks' ops save for backward without checkpointing (saved_tensors_hooks),
-    once per storage, leaving out each block's input, parameters and buffers."""
+def _saved_by(block: nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """What ``block(x)``'s ops save for backward without checkpointing (saved_tensors_hooks),
+    once per storage, leaving out ``x`` and the block's parameters and buffers; and its
+    output."""
+    seen = {t.untyped_storage().data_ptr() for t in (x, *block.parameters(), *block.buffers())}
     total = 0
-    h = x
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        key = tensor.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = block(x)
+    return total, out
+
+
+def _storage_bytes_saved_plainly(model: nn.Sequential, x: torch.Tensor) -> int:
+    """:func:`_saved_by` summed over the first three blocks, each on the last's output."""
+    total, h = 0, x
     for block in list(model)[:3]:
-        seen = {t.untyped_storage().data_ptr() for t in (h, *block.parameters(), *block.buffers())}
-
-        def pack(tensor: torch.Tensor, seen: set[int] = seen) -> torch.Tensor:
-            nonlocal total
-            key = tensor.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += tensor.untyped_storage().nbytes()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            h = block(h)
+        saved, h = _saved_by(block, h)
+        total += saved
     return total
 
 
@@ -122,25 +130,8 @@ def test_channel_dropout_noise_kept_on_the_tape_counts_as_kept_not_freed() -> No
     noise = 2 * 8 * 4  # one float per (sample, channel)
     stash = torch.get_rng_state().nbytes
     assert row["kept_bytes"] == x.nbytes + stash + noise
-    plain = _storage_bytes_saved_plainly_one(block, x)
+    plain, _ = _saved_by(block, x)
     assert row["freed_bytes"] == plain - noise
-
-
-def _storage_bytes_saved_plainly_one(block: nn.Module, x: torch.Tensor) -> int:
-    seen = {t.untyped_storage().data_ptr() for t in (x, *block.parameters())}
-    total = 0
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        key = tensor.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x)
-    return total
 
 
 def test_function_regions_are_named_by_the_function_and_nested_regions_get_rows() -> None:
