@@ -148,6 +148,7 @@ class RegionPieces:
             (self.x,),
             {},
             self.options,
+            self.block,
         )
 
     def enter_and_exit(self) -> None:

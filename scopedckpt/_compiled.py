@@ -65,7 +65,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from ._engine import _region, region_context_fn
+from ._engine import _region, region_context_fn, region_module
 from ._errors import ScopedCkptError
 from ._options import DEFAULT_OPTIONS, RegionOptions
 from ._paths import EAGER, MIRROR, where
@@ -99,7 +99,14 @@ class _EagerFallback:
             scope = SCOPE.get() or DEFAULT_SCOPE
             label = self.owner if self.owner is not None else self.fn
             self.run, contexts = region_context_fn(
-                self.fn, self.owner, label, scope, args, kwargs, self.options
+                self.fn,
+                self.owner,
+                label,
+                scope,
+                args,
+                kwargs,
+                self.options,
+                region_module(self.owner, self.fn),
             )
             self.contexts = contexts()
             with self.contexts[0]:

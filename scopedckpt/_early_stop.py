@@ -1,28 +1,65 @@
-"""Which regions recompute whole: layers whose ops save a tensor before writing it.
+"""Which regions recompute whole: those whose ops save a tensor before writing it.
 
 NOTE [ late writes ]
 ====================
-``rrelu_with_noise`` (``nn.RReLU`` in training) hands autograd its noise tensor
-before its kernel writes it, and torch's early stop ends a recompute inside the
-op that packs the last tensor backward needs: when that is the noise, backward
-reads memory the recompute never wrote (issue 25, hole 1; torch's checkpoint
-has the same bug). A region over a module whose subtree holds such a layer in
-training mode is recomputed without early stop, whole (:func:`full_recompute`):
-exact, at the cost of the ops after its last saved tensor. The functional form
-(``F.rrelu`` outside these layers) is not seen here; sampled verification
-catches it (NOTE [ sampled verification ] in ``_sampling.py``), and
-``early_stop=False`` makes it exact.
+``rrelu_with_noise`` (``nn.RReLU`` and ``F.rrelu`` in training) hands autograd
+its noise tensor before its kernel writes it, and torch's early stop ends a
+recompute inside the op that packs the last tensor backward needs: when that
+is the noise, backward reads memory the recompute never wrote (issue 25, hole
+1; torch's checkpoint has the same bug). Such regions are recomputed without
+early stop, whole (:func:`full_recompute`): exact, at the cost of the ops after
+their last saved tensor. Found two ways:
+
+* a region over a module whose subtree holds an ``nn.RReLU`` in training
+  (``LATE_WRITERS``, listed in ``_subtree.py``);
+* ``F.rrelu(training=True)`` anywhere else: a verified first forward sees it
+  save its noise (``_verify.py``), turns early stop off for that region (torch's
+  checkpoint frame, ``_torch_private.recompute_whole``) and remembers the region's
+  site (:func:`late_write_found`; sites as in NOTE [ sampled verification ]), so
+  every later call of the site recomputes whole. Sampled verification verifies
+  each site's first call, so this holds from the first step, unless sampling is
+  off (``set_verification_sampling(0)``) or the region's check is ``"none"``:
+  then pass ``early_stop=False`` for such regions yourself.
 """
 
 from __future__ import annotations
 
+import weakref
+from typing import Any, ClassVar
+
 from torch import nn
 
+from ._sampling import site_of
 from ._subtree import subtree
 
-__all__ = ["full_recompute"]
+__all__ = ["full_recompute", "late_write_found"]
 
 
-def full_recompute(module: nn.Module) -> bool:
-    """Whether a region over ``module`` must recompute whole (NOTE [ late writes ])."""
-    return any(layer.training for layer in subtree(module)[2])
+class _Found:
+    """The sites found to write a saved tensor late, by site key."""
+
+    # site key -> a weak reference to what the key follows
+    sites: ClassVar[dict[int, Any]] = {}
+
+
+def full_recompute(module: nn.Module | None, fn: object) -> bool:
+    """Whether a region running ``module`` (or ``fn``) must recompute whole (NOTE [ late
+    writes ])."""
+    if module is not None:
+        late = subtree(module).late
+        if late and any((layer := ref()) is not None and layer.training for ref in late):
+            return True
+    sites = _Found.sites
+    if not sites:
+        return False
+    key, alive = site_of(module, fn)
+    ref = sites.get(key)
+    return ref is not None and ref() is alive
+
+
+def late_write_found(module: nn.Module | None, fn: object) -> None:
+    """A region of this site saved a tensor before writing it: recompute its site whole."""
+    key, alive = site_of(module, fn)
+    if len(_Found.sites) >= 4096:
+        _Found.sites.clear()
+    _Found.sites[key] = weakref.ref(alive)

@@ -4,38 +4,8 @@ A region is ``torch.utils.checkpoint.checkpoint(use_reentrant=False,
 context_fn=...)`` whose forward context records the region's tape and whose
 recompute context replays it (see NOTE [ tape ] in ``_state.py``).
 
-NOTE [ region mechanisms ]
-==========================
-Everything a region does besides running its function is a *mechanism*: one
-private module implementing :class:`Mechanism`, listed once in
-:data:`MECHANISMS`. The engine knows none of them by name:
-
-* ``start_region(tape, call)`` runs once, when the region starts, puts the
-  mechanism's state on the tape (a field of :class:`Tape` the mechanism owns)
-  and says whether the mechanism acts in the region's frames;
-* ``enter_frame(frame)`` runs at every entry of such a region (its first
-  forward, and each recompute, on any thread) and returns what undoes it, an
-  ``__exit__``-like callable, or None when it has nothing to do there. It is
-  called only in the phases the module's ``FRAME_PHASES`` names: the tape
-  lists these functions per phase, so a frame calls only the mechanisms that
-  act in it.
-
-:class:`_EnterFrame` enters them in the order listed and undoes them in
-reverse, each undo run even when another raised, and undoes what it entered
-when an entry raises: no token, hook or mode outlives a frame.
-
-==============  ==========================  ====================================
-mechanism       tape                        frame
-==============  ==========================  ====================================
-``_strict``     nothing                     first forward under the detector
-``_inputs``     tensor inputs' versions     first forward: none written in place
-``_rng``        generators' states          recomputes start from them
-``_guard``      module states, per call     module calls guarded
-``_written``    subtree tensors' versions   first forward: none written unguarded
-``_selective``  kept op outputs             recorded, or served
-``_report``     a memory_report row         saved tensors counted, time taken
-``_verify``     fingerprints (bitwise)      first forward: fingerprints taken
-==============  ==========================  ====================================
+The mechanisms a region enters are listed in ``_mechanisms.py`` (NOTE [ region
+mechanisms ]); this module knows none of them by name.
 """
 
 from __future__ import annotations
@@ -45,90 +15,25 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from . import (
-    _guard,
-    _inputs,
-    _report,
-    _rng,
-    _selective,
-    _strict,
-    _torch_private,
-    _verify,
-    _written,
-)
+from . import _guard, _mechanisms, _torch_private
 from ._early_stop import full_recompute
 from ._options import DEFAULT_OPTIONS, RegionOptions
 from ._policy import as_policy
 from ._sampling import sampled_check
 from ._state import FORWARD, FRAME, RECOMPUTE, SCOPE, Frame, Phase, Record, RegionCall, Scope, Tape
 
-__all__ = ["MECHANISMS", "Mechanism", "region_context_fn", "register_mechanism"]
+__all__ = ["region_context_fn", "region_module"]
 
 R = TypeVar("R")
 ContextFn = _torch_private.ContextFn
-Undo = Callable[..., Any]  # called as __exit__ is: (exc_type, exc, traceback)
+Undo = _mechanisms.Undo
 
 _REGION = "region"
-
-
-class Mechanism(Protocol):
-    """What each region mechanism module provides (NOTE [ region mechanisms ])."""
-
-    FRAME_PHASES: frozenset[Phase]  # the phases of the frames enter_frame acts in
-
-    def start_region(self, tape: Tape, call: RegionCall) -> bool:
-        """A region starts: put this mechanism's state on its tape; whether it acts in
-        the region's frames."""
-
-    def enter_frame(self, frame: Frame) -> Undo | None:
-        """A frame of the region is entered: start, and return what undoes it, if anything."""
-
-
-def _registered(*mechanisms: Mechanism) -> tuple[Mechanism, ...]:
-    return mechanisms  # each module is checked against the protocol here (mypy)
-
-
-# Started and entered in this order, undone in reverse. The report starts last: a
-# mechanism refusing the region at its start (a save= policy that cannot apply)
-# leaves no row. A new mechanism: a module and a name here (or, for an
-# integration, a register_mechanism call in its package).
-MECHANISMS = _registered(_strict, _inputs, _rng, _guard, _written, _selective, _report, _verify)
-
-
-def register_mechanism(mechanism: Mechanism, *, first: bool = False) -> None:
-    """Add a mechanism from outside the engine (integrations); once. ``first``: it starts
-    before the others, so that a check raising there leaves no state behind."""
-    global MECHANISMS
-    if mechanism not in MECHANISMS:
-        MECHANISMS = (mechanism, *MECHANISMS) if first else (*MECHANISMS, mechanism)
-
-
-FramePlan = tuple[tuple[Callable[[Frame], Undo | None], ...], ...]
-# By the set of mechanisms acting in a region (a bit each, in the order of _PLANS_OF,
-# the MECHANISMS they were made for): the enter_frame functions its forward and
-# recompute frames call.
-_PLANS: dict[int, FramePlan] = {}
-_PLANS_OF: tuple[Mechanism, ...] = ()
-
-
-def _frame_plan(acting: int) -> FramePlan:
-    global _PLANS_OF
-    if _PLANS_OF is not MECHANISMS:
-        _PLANS.clear()
-        _PLANS_OF = MECHANISMS
-    plan = _PLANS.get(acting)
-    if plan is None:
-        used = [m for i, m in enumerate(MECHANISMS) if acting >> i & 1]
-        plan = _PLANS[acting] = tuple(
-            tuple(m.enter_frame for m in used if phase in m.FRAME_PHASES)
-            for phase in (FORWARD, RECOMPUTE)
-        )
-    return plan
 
 
 class _Counters:
@@ -264,13 +169,15 @@ def region_context_fn(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     options: RegionOptions,
+    module: torch.nn.Module | None,
 ) -> tuple[Callable[..., Any], ContextFn]:
     """Set up one region: the ``fn`` and ``context_fn`` to hand to torch's checkpoint.
 
     Shared by every path that makes an eager region, torch's own ``checkpoint``
     under ``patch_torch_checkpoint`` included. The caller's ``options.context_fn`` is
     entered inside ours; ``options.save`` overrides the scope's policy (NOTE
-    [ selective saving ]).
+    [ selective saving ]); ``module`` is the module the region runs
+    (:func:`region_module`).
     """
     parent = FRAME.get()
     # A function is no identity: lambdas and bound methods are new objects at
@@ -293,13 +200,15 @@ def region_context_fn(
             options.preserve_rng_state,
             save,
             options.determinism_check,
+            module,
+            fn,
         )
         acting, bit = 0, 1
-        for mechanism in MECHANISMS:
+        for mechanism in _mechanisms.MECHANISMS:
             if mechanism.start_region(tape, call):
                 acting |= bit
             bit <<= 1
-        tape.forward_mechanisms, tape.recompute_mechanisms = _frame_plan(acting)
+        tape.forward_mechanisms, tape.recompute_mechanisms = _mechanisms.frame_plan(acting)
         if parent is not None:
             parent.tape.records.append(Record(_REGION, owner_id, label, tape))
         forward = _EnterFrame(FORWARD, tape, scope, owner, rewind=False)
@@ -321,6 +230,16 @@ def region_context_fn(
     if context_fn is None or context_fn is _torch_private.NOOP_CONTEXT_FN:
         return fn, ours
     return fn, _torch_private.compose(ours, context_fn)
+
+
+def region_module(owner: object | None, fn: Callable[..., Any]) -> torch.nn.Module | None:
+    """The module a region runs: its owner, the module it calls, or the layer of a bound
+    method or partial (:func:`layer_of`); None for a plain function."""
+    if isinstance(owner, torch.nn.Module):
+        return owner
+    if isinstance(fn, torch.nn.Module):
+        return fn
+    return layer_of(fn)
 
 
 def layer_of(function: Callable[..., Any]) -> torch.nn.Module | None:
@@ -362,18 +281,15 @@ def _region(
     if label is None:
         label = owner if owner is not None else fn
     options = options.in_scope(scope.determinism_check)
-    # The module the region runs: its owner, or the function's (a module, a bound method).
-    module = owner if owner is not None else layer_of(fn)
-    if module is None and isinstance(fn, torch.nn.Module):
-        module = fn
-    if options.early_stop and module is not None and full_recompute(module):  # type: ignore[arg-type]
+    module = region_module(owner, fn)
+    if options.early_stop and full_recompute(module, fn):
         options = dataclasses.replace(options, early_stop=False)  # NOTE [ late writes ]
     debug = _torch_private.checkpoint_debug_enabled(options.debug)
     if not debug:  # torch's debug mode explains its own check's failures
         check = sampled_check(options.determinism_check, module, fn)
         if check is not options.determinism_check:  # NOTE [ sampled verification ]
             options = dataclasses.replace(options, determinism_check=check)
-    fn, contexts = region_context_fn(fn, owner, label, scope, args, kwargs, options)
+    fn, contexts = region_context_fn(fn, owner, label, scope, args, kwargs, options, module)
     keywords = options.eager_keywords
     token = OWN_CALL.set(True)
     try:

@@ -34,13 +34,13 @@ as the first forward did:
   submodules: each submodule is guarded at its own call) of every module
   called through ``__call__`` inside a region, and the region's owner module
   itself; plus any state a module exposes through the :class:`Stateful`
-  protocol. *Not guarded:* plain Python attributes, tensors that are not
-  registered buffers, parameters changed in place in forward, globals,
-  buffers a module registers during its own call (the guard looks before
-  the call): use :func:`scopedckpt.replay` or the protocol for those.
-  Parameters of a module region changed in place, and buffers of modules the
-  region never calls, are refused when its forward ends (NOTE [ unguarded
-  writes ] in ``_written.py``).
+  protocol. *Not guarded here:* plain Python attributes, tensors that are not
+  registered buffers, globals, buffers a module registers during its own
+  call (the guard looks before the call): use :func:`scopedckpt.replay` or
+  the protocol for those. Buffers of the region's module subtree written
+  outside their module's own call (through a method, by another module),
+  and parameters changed in place, are replayed from copies taken at the
+  region's start (NOTE [ unguarded writes ] in ``_written.py``).
   torch's lazy modules keep placeholders until their first call fills them;
   the guard fills them itself first (``initialize_lazy`` in ``_module_state.py``).
 * First forward: before each guarded call the module's buffers are copied

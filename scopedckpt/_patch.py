@@ -54,7 +54,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from . import _torch_private
-from ._engine import OWN_CALL, REENTRANT_MESSAGE, layer_of, region_context_fn
+from ._engine import OWN_CALL, REENTRANT_MESSAGE, layer_of, region_context_fn, region_module
 from ._errors import ScopedCkptError
 from ._options import RegionOptions
 from ._sampling import sampled_check
@@ -105,8 +105,9 @@ def _generator_body(
     if options["determinism_check"] == "default" and scope.determinism_check != "default":
         options = dict(options, determinism_check=scope.determinism_check)
     debug_on = _torch_private.checkpoint_debug_enabled(options["debug"])
+    module = region_module(None, fn)
     if not debug_on:  # NOTE [ sampled verification ] in _sampling.py
-        check = sampled_check(options["determinism_check"], layer_of(fn), fn)
+        check = sampled_check(options["determinism_check"], module, fn)
         if check is not options["determinism_check"]:
             options = dict(options, determinism_check=check)
     fn, contexts = region_context_fn(
@@ -121,6 +122,7 @@ def _generator_body(
             determinism_check=options["determinism_check"],
             context_fn=options["context_fn"],
         ),
+        module,
     )
     options = dict(
         options,

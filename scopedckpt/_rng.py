@@ -116,7 +116,7 @@ class RngStash:
             set_state(state)
 
     def put_back(self, *exc: object) -> None:
-        """:meth:`apply`, as a frame's undo (NOTE [ region mechanisms ] in _engine.py)."""
+        """:meth:`apply`, as a frame's undo (NOTE [ region mechanisms ] in _mechanisms.py)."""
         self.apply()
 
     def current(self) -> RngStash:

@@ -23,7 +23,6 @@ torch's own check), compiled regions (torch's operator: nothing to verify).
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -86,7 +85,7 @@ def suspended() -> Iterator[None]:
         _Sampling.every = previous
 
 
-def _site(owner: object | None, fn: object) -> tuple[int, object]:
+def site_of(owner: object | None, fn: object) -> tuple[int, object]:
     """The key of a region's site, and the object whose lifetime the key follows."""
     if owner is None and isinstance(fn, nn.Module):
         owner = fn
@@ -100,25 +99,18 @@ def _site(owner: object | None, fn: object) -> tuple[int, object]:
     return id(type(target)), type(target)
 
 
-def _held(alive: object) -> object:
-    return alive
-
-
 def sampled_check(check: str, owner: object | None, fn: object) -> str:
     """``"bitwise"`` where NOTE [ sampled verification ] samples this call, else ``check``."""
     every = _Sampling.every
     if check != "default" or not every:
         return check
-    key, alive = _site(owner, fn)
+    key, alive = site_of(owner, fn)
     sites = _Sampling.sites
     entry = sites.get(key)
     if entry is None or entry[0]() is not alive:
         if len(sites) >= _SITES_MAX:
             sites.clear()
-        try:
-            ref: Any = weakref.ref(alive)
-        except TypeError:  # not weakly referenceable: held instead
-            ref = functools.partial(_held, alive)
+        ref: Any = weakref.ref(alive)  # modules, code objects and classes all are
         calls = 0
     else:
         ref, calls = entry

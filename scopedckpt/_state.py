@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ._errors import ScopedCkptError
 
 if TYPE_CHECKING:  # the mechanisms' own types; they import this module
+    from torch import nn
     from torch.utils.hooks import RemovableHandle
 
     from ._module_state import GuardEntry, ModuleState
@@ -50,8 +51,9 @@ if TYPE_CHECKING:  # the mechanisms' own types; they import this module
     from ._report import RegionStats
     from ._rng import RngStash
     from ._selective import Saved, SavingMode
+    from ._subtree import Listing
     from ._verify import Verifying
-    from ._written import Noted
+    from ._written import Copies, Noted
 
 __all__ = ["Phase", "is_recomputing", "phase", "replay"]
 
@@ -131,6 +133,10 @@ class RegionCall:
     preserve_rng_state: bool
     save: SavePolicy | None  # overrides the scope's policy
     determinism_check: str = "default"
+    # The module the region runs: its owner, the module called, or the layer of a bound
+    # method or partial (engine.region_module).
+    module: nn.Module | None = None
+    fn: object = None  # the function the region runs
 
 
 @dataclass(slots=True)
@@ -151,8 +157,9 @@ class Tape:
     verifying: Verifying | None = None  # _verify: a region with determinism_check="bitwise"
     # _inputs: the region's call and its tensor inputs' versions, until its forward ends.
     inputs: tuple[RegionCall, tuple[tuple[int | str, Any, int], ...]] | None = None
-    # _written: the owner's parameters' and buffers' versions, until its forward ends.
-    written: Noted | None = None
+    # _written: the subtree's versions and copies until the first forward ends, then the
+    # copies of what it wrote, or the listing whose learning its recompute ends, or None.
+    written: Noted | Copies | Listing | None = None
     # The enter_frame of each mechanism acting in this region's frames, in order, by phase.
     forward_mechanisms: tuple[Callable[[Frame], Callable[..., Any] | None], ...] = ()
     recompute_mechanisms: tuple[Callable[[Frame], Callable[..., Any] | None], ...] = ()

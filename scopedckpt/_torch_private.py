@@ -52,6 +52,7 @@ import contextvars
 import inspect
 import operator
 import re
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterator
@@ -89,7 +90,9 @@ __all__ = [
     "detach_below_autograd",
     "generator_like",
     "module_buffers",
+    "module_parameters",
     "op_schema_facts",
+    "recompute_whole",
     "register_determinism_check",
     "top_saved_tensors_hooks",
     "tracing",
@@ -383,6 +386,10 @@ module_buffers: Callable[[torch.nn.Module], dict[str, torch.Tensor | None]]
 module_buffers = operator.attrgetter("_buffers")
 """The module's own registered buffers, by name: the dict itself, to swap entries in."""
 
+module_parameters: Callable[[torch.nn.Module], dict[str, torch.nn.Parameter | None]]
+module_parameters = operator.attrgetter("_parameters")
+"""The module's own registered parameters, by name: the dict itself, to swap entries in."""
+
 
 # torch's global module hooks, by key: the buffer guard puts its own in at a key of its
 # own (registering returns a handle per install, at every region's first forward).
@@ -401,6 +408,18 @@ def register_determinism_check(name: str, metadata_fn: Callable[[torch.Tensor], 
     """Make ``determinism_check=name`` compare ``metadata_fn`` of each saved tensor between
     a region's first forward and its recompute (torch's registry of the checks)."""
     torch_checkpoint._allowed_determinism_checks_to_fns[name] = metadata_fn
+
+
+def recompute_whole(depth: int) -> bool:
+    """Turn early stop off for the checkpoint whose pack hook called a determinism check
+    ``depth`` frames up (torch's ``_checkpoint_hook.pack_hook``, whose ``frame`` is the
+    region's ``_CheckpointFrame``); whether it was found."""
+    caller = sys._getframe(depth + 1)
+    frame = caller.f_locals.get("frame")
+    if frame is None or not isinstance(getattr(frame, "early_stop", None), bool):
+        return False
+    frame.early_stop = False
+    return True
 
 
 def bound_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -19,8 +19,8 @@ bit, without keeping copies of the activations:
   changes by less than 2**64); moved rows change the weighted one. Values
   moved within a row (the last dimension permuted, shape unchanged) are not
   seen: the first version's second pass, over columns, with int64 row sums,
-  made a fingerprint four times as costly. Two int64 values kept per saved
-  tensor.
+  made a fingerprint four times as costly. Two int64 values and a sample of
+  64 values kept per saved tensor.
 * The first forward's fingerprint is taken when autograd saves the tensor:
   what it saved then is what backward may use (a batch norm's running
   statistics are saved and then updated again by a later call of the same
@@ -35,10 +35,16 @@ bit, without keeping copies of the activations:
 * On a mismatch the first differing tensor (in the order the forward saved
   them) raises :class:`ScopedCkptError` naming the region, the tensor's
   position, shape and dtype, the source line that saved it (the innermost
-  frame outside torch and scopedckpt) and the likely causes. Which elements
-  differ, and by how much, needs the first forward's values, which are not
-  kept: the message says how to find them (train the step once without
-  checkpointing and compare, ``scopedckpt.testing.assert_checkpoint_equivalent``).
+  frame outside torch and scopedckpt), how many values differ and by how much,
+  and the likely causes. How many: a fingerprint also keeps ``SAMPLE`` (64)
+  values of the tensor at evenly spaced positions (all of a smaller one), taken
+  when the first forward ends, and the message counts and measures the
+  differences among them: exact for tensors of at most 64 elements, an estimate
+  from the sample for larger ones (none differing there means fewer than about 1
+  in 64 do). Exact counts of a large tensor need the first forward's values,
+  which are not kept: the message says how to get them (train the step once
+  without checkpointing and compare,
+  ``scopedckpt.testing.assert_checkpoint_equivalent``).
 * Compiled regions are torch's checkpoint operator, whose recompute is part
   of the compiled backward: nothing there is verified, and ``"bitwise"`` in
   compiled code raises (``_compiled.py``).
@@ -48,17 +54,20 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from ._bits import differences, sample, sums
 from ._errors import ScopedCkptError
 from ._selective import internal
 from ._state import FORWARD, FRAME, Frame, RegionCall, Tape, describe, module_path
-from ._torch_private import NormBase, register_determinism_check, version_of
+from ._torch_private import NormBase, recompute_whole, register_determinism_check, version_of
 
 __all__ = [
     "BITWISE",
@@ -85,7 +94,6 @@ COUNTERS = _Counters()
 
 FRAME_PHASES = frozenset({FORWARD})
 
-_INTEGERS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SKIPPED_SOURCES = (
     os.path.dirname(torch.__file__) + os.sep,
     os.path.dirname(__file__) + os.sep,
@@ -151,28 +159,6 @@ def _finish(frame: Frame, *exc: object) -> None:
             print_.take()
 
 
-@functools.lru_cache(maxsize=64)
-def _weights(n: int, device: torch.device) -> Tensor:
-    """Ones, and the row indices from 1: the two sums as one matrix-vector product."""
-    return torch.stack([torch.ones(n, dtype=torch.int64), torch.arange(1, n + 1)]).to(device)
-
-
-def _sums(x: Tensor) -> Tensor:
-    """The two int64 sums of NOTE [ bitwise verification ]."""
-    x = x.detach()
-    if x.is_complex():
-        x = torch.view_as_real(x)
-    bits = x.view(_INTEGERS[x.element_size()]) if x.dtype != torch.bool else x.byte()
-    if bits.dim() < 2:
-        bits = bits.reshape(1, -1)
-    # The one pass over x. Row sums wrap modulo 2**32 (int32 accumulates three times
-    # faster than int64 on CPU); one element changing its bits by less than 2**32
-    # still changes its row's sum.
-    accumulate = torch.int64 if bits.element_size() == 8 else torch.int32
-    rows = bits.sum(dim=-1, dtype=accumulate).reshape(-1).to(torch.int64)
-    return torch.mv(_weights(rows.numel(), rows.device), rows)
-
-
 # NOTE [ unread saved tensors ]: in eval mode rrelu_with_noise saves its noise
 # without writing it, and its backward (leaky ReLU's) never reads it: the forward
 # and the recompute each save whatever memory they got. Such a tensor, saved under
@@ -180,19 +166,20 @@ def _sums(x: Tensor) -> Tensor:
 _RRELU = torch.nn.functional.rrelu.__code__
 
 
-def _source() -> tuple[str, bool]:
+def _source() -> tuple[str, bool | None]:
     """The innermost frame outside torch, scopedckpt and the standard library, and whether
-    the tensor is saved under ``F.rrelu`` in eval mode (NOTE [ unread saved tensors ])."""
+    the tensor is saved under ``F.rrelu``: False in training (NOTE [ late writes ]), True
+    in eval mode (NOTE [ unread saved tensors ]), None if not."""
     frame = inspect.currentframe()
-    unread = False
+    rrelu: bool | None = None
     while frame is not None:
         code = frame.f_code
-        if code is _RRELU and not frame.f_locals.get("training", True):
-            unread = True
+        if code is _RRELU:
+            rrelu = not frame.f_locals.get("training", True)
         if not code.co_filename.startswith(_SKIPPED_SOURCES):
-            return f"{code.co_filename}:{frame.f_lineno} (in {code.co_name})", unread
+            return f"{code.co_filename}:{frame.f_lineno} (in {code.co_name})", rrelu
         frame = frame.f_back
-    return "an unknown line", unread
+    return "an unknown line", rrelu
 
 
 class Fingerprint:
@@ -200,6 +187,7 @@ class Fingerprint:
 
     __slots__ = (
         "_tensor",
+        "_values",
         "_version",
         "device",
         "dtype",
@@ -207,6 +195,7 @@ class Fingerprint:
         "later",
         "op",
         "region",
+        "sample",
         "shape",
         "source",
         "sums",
@@ -218,12 +207,19 @@ class Fingerprint:
         plain = (
             x.layout == torch.strided and type(x) is Tensor and not getattr(x, _NOT_VERIFIED, False)
         )
-        self.sums = _sums(x) if plain else None  # as saved
+        self.sums = sums(x) if plain else None  # as saved
         self.later: Tensor | None = None  # when the first forward ended, if written since
         self.op = ""  # the autograd node that made the tensor, if any
-        # Held to the end of a region's first forward (take).
+        self.sample: Tensor | None = None  # a first forward's, taken when it ends
+        # A first forward's: held to its end (take).
         self._tensor: Tensor | None = x if plain and region is not None else None
         self._version = version_of(x) if self._tensor is not None else 0
+        # Anyone else's (torch's check fingerprints a recomputed tensor, which lives on):
+        # for the message, without keeping it alive (torch's own checkpoint keeps the
+        # fingerprints of its first forward).
+        self._values: Callable[[], Tensor | None] | None = (
+            weakref.ref(x) if plain and region is None else None
+        )
 
     def take(self) -> None:
         """The first forward ends: fingerprint the tensor again if it was written since it
@@ -237,7 +233,8 @@ class Fingerprint:
         # Written since saved: in place (the version moved), or by a kernel that moves no
         # version, which only tensors outside the graph (noise, buffers) are.
         if version_of(x) != self._version or (node is None and not x.requires_grad):
-            self.later = _sums(x)
+            self.later = sums(x)
+        self.sample = sample(x)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Fingerprint):
@@ -258,7 +255,8 @@ class Fingerprint:
             # reference cycle after a failed backward: the module targets are unpatched.
             for patches in self.region.call.scope.patches:
                 patches.release_all()
-            raise ScopedCkptError(self._message(other))
+            values = None if other._values is None else other._values()
+            raise ScopedCkptError(self._message(other, values))
         return same
 
     def __ne__(self, other: object) -> bool:
@@ -270,7 +268,7 @@ class Fingerprint:
     def __repr__(self) -> str:
         return f"Fingerprint(shape={self.shape}, dtype={self.dtype}, sums={self.sums})"
 
-    def _message(self, recomputed: Fingerprint) -> str:
+    def _message(self, recomputed: Fingerprint, values: Tensor | None) -> str:
         assert self.region is not None
         call = self.region.call
         if call.owner is not None:
@@ -282,13 +280,18 @@ class Fingerprint:
                 f"has shape {recomputed.shape} and dtype {recomputed.dtype} in the recompute, "
                 f"{self.shape} and {self.dtype} in the first forward"
             )
+            counted = ""
         else:
             what = f"({self.dtype}, shape {self.shape}) has other values in the recompute"
+            numel = math.prod(self.shape)
+            recomputed_sample = None if values is None else sample(values)
+            counted = differences(self.sample, recomputed_sample, numel)
         made = f"the output of {self.op}, " if self.op else ""
         return (
             f"scopedckpt: bitwise verification failed: the recompute of checkpoint region "
             f"{region} did not reproduce its first forward. Saved tensor #{self.index} "
-            f"{what}: {made}saved by the first forward at {self.source}. Backward would have used "
+            f"{what}: {made}saved by the first forward at {self.source}. {counted}"
+            "Backward would have used "
             "the recomputed values. Likely causes: an op that writes a saved output after "
             "saving it (F.rrelu outside an nn.RReLU layer: pass early_stop=False); a buffer "
             "the forward changes without moving its version (through .data, or a kernel "
@@ -298,8 +301,8 @@ class Fingerprint:
             "scopedckpt.Stateful; a random op with its own torch.Generator: use a scoped "
             "layer with generator=...; control flow that depends on data changed between "
             "forward and backward. The first forward's values are not kept (fingerprints "
-            "only): scopedckpt.testing.assert_checkpoint_equivalent(model, *inputs) trains "
-            "the step both ways and names the values that differ."
+            "and a sample only): scopedckpt.testing.assert_checkpoint_equivalent(model, "
+            "*inputs) trains the step both ways and names every value that differs."
         )
 
 
@@ -310,9 +313,15 @@ def fingerprint(x: Tensor) -> Fingerprint:
     verifying = None if frame is None else frame.tape.verifying
     if verifying is None or frame is None or frame.phase is not FORWARD:
         return Fingerprint(x, None, -1, "")
-    source, unread = _source()
-    if unread and x.grad_fn is None and not x.requires_grad:
+    source, rrelu = _source()
+    if rrelu and x.grad_fn is None and not x.requires_grad:
         not_verified(x)  # NOTE [ unread saved tensors ]
+    elif rrelu is False and recompute_whole(1):  # NOTE [ late writes ] in _early_stop.py
+        # Imported here: _early_stop lists subtrees through _module_state, which imports
+        # this module.
+        from ._early_stop import late_write_found
+
+        late_write_found(verifying.call.module, verifying.call.fn)
     if frame.tape.saved is None:
         print_ = Fingerprint(x, verifying, verifying.saved, source)
     else:

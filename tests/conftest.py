@@ -36,12 +36,14 @@ def _no_scope_leaks():
     """Every test must leave no scope, frame, patch or global hook behind."""
     import torch.utils.checkpoint as torch_checkpoint
 
-    from scopedckpt import _guard, _patch, _report, _sampling, _targets
+    from scopedckpt import _early_stop, _guard, _patch, _report, _sampling, _targets
     from scopedckpt._state import FRAME, SCOPE
 
-    # Sampled verification counts calls per site, some sites (module-level functions)
-    # shared by tests: each test starts counting afresh, whatever ran before it.
+    # Sampled verification counts calls per site, and NOTE [ late writes ] remembers
+    # sites, some of them (module-level functions) shared by tests: each test starts
+    # afresh, whatever ran before it.
     _sampling._Sampling.sites.clear()
+    _early_stop._Found.sites.clear()
     yield
     gc.collect()  # regions hold target patches until torch frees them
     assert SCOPE.get() is None, "a checkpointing scope leaked out of the test"

@@ -140,6 +140,55 @@ def _tick(module: nn.Module, args: Any) -> None:
         module.steps += 1  # type: ignore[operator]
 
 
+def _channels(x: Tensor) -> tuple[int, ...]:
+    """The view that broadcasts a per-channel vector over ``x`` (channels at dim 1)."""
+    return (1, -1) + (1,) * (x.dim() - 2)
+
+
+class Statistics(nn.Module):
+    """A running mean kept in a buffer, updated through a method, never called."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(c))
+
+    def push(self, x: Tensor) -> None:
+        with torch.no_grad():
+            dims = [d for d in range(x.dim()) if d != 1]
+            self.mean.mul_(0.5).add_(x.mean(dims), alpha=0.5)
+
+
+class Banked(nn.Module):
+    """Pushes its input's channel means into a child's buffer through a method (a memory
+    bank's ``push``), then reads the buffer (NOTE [ unguarded writes ]: exact)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.bank = Statistics(c)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training:
+            self.bank.push(x)
+        # At most a factor of 1.125 either way: bounded over many calls and steps.
+        return x * (1.0 + 0.125 * torch.tanh(self.bank.mean)).view(_channels(x))
+
+
+class InPlaceWeight(nn.Module):
+    """A weight clamped in place in forward, as ``nn.Embedding(max_norm=...)``
+    renormalizes rows (NOTE [ unguarded writes ]: the recompute clamps a copy)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(c).uniform_(-2.0, 2.0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.weight.mul_(1.5).clamp_(-1.0, 1.0)
+        # An add saves no operand: a second call's clamp leaves plain backward valid.
+        return x + 0.125 * self.weight.view(_channels(x))
+
+
 @st.composite
 def layers(draw: st.DrawFn, rank: int, c: int) -> nn.Module:
     """One shape-preserving layer for input of ``rank`` with ``c`` channels."""
@@ -163,7 +212,12 @@ def layers(draw: st.DrawFn, rank: int, c: int) -> nn.Module:
     # Unscoped ones: replayed by the RNG stash, guarded by the buffer guard.
     kinds += ["torch_dropout", "functional_dropout", "drop_path", "torch_batch_norm"]
     kinds += ["own_forward_batch_norm", "counter", "noise", "hooked_counter", "rrelu"]
+    kinds += ["banked", "in_place_weight"]
     kind = draw(st.sampled_from(kinds))
+    if kind == "banked":
+        return Banked(c)
+    if kind == "in_place_weight":
+        return InPlaceWeight(c)
     if kind == "torch_dropout":
         return nn.Dropout(draw(probabilities))
     if kind == "functional_dropout":

@@ -1,4 +1,4 @@
-"""The region mechanisms (NOTE [ region mechanisms ] in _engine.py): one protocol, entered
+"""The region mechanisms (NOTE [ region mechanisms ] in _mechanisms.py): one protocol, entered
 in order, undone in reverse, and exception-safe at every step."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import scopedckpt
-from scopedckpt import _engine, _guard
+from scopedckpt import _engine, _guard, _mechanisms
 from scopedckpt._state import FRAME, SCOPE, Frame, Phase, RegionCall, Tape
 
 
@@ -50,7 +50,7 @@ def mechanisms(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., list[s
     def install(first: str | None = None, last: str | None = None) -> list[str]:
         before = Recorder("first", log, first)
         after = Recorder("last", log, last)
-        monkeypatch.setattr(_engine, "MECHANISMS", (before, *_engine.MECHANISMS, after))
+        monkeypatch.setattr(_mechanisms, "MECHANISMS", (before, *_mechanisms.MECHANISMS, after))
         return log
 
     yield install
@@ -120,7 +120,7 @@ def test_an_undo_raising_still_runs_every_other_undo(
 
 
 def test_each_mechanism_module_implements_the_protocol() -> None:
-    for mechanism in _engine.MECHANISMS:
+    for mechanism in _mechanisms.MECHANISMS:
         assert callable(mechanism.start_region) and callable(mechanism.enter_frame)
         assert mechanism.FRAME_PHASES <= {Phase.FORWARD, Phase.RECOMPUTE}
         first = (mechanism.__doc__ or "").strip()
@@ -133,7 +133,7 @@ def test_the_engine_names_no_mechanism_outside_its_registration() -> None:
     One exception: a module-owned region runs the owner's forward without ``__call__``,
     so the engine has the guard wrap it (``_guard.guarded_call``)."""
     engine = Path(_engine.__file__)
-    names = {m.__name__.rsplit(".", 1)[1] for m in _engine.MECHANISMS if hasattr(m, "__name__")}
+    names = {m.__name__.rsplit(".", 1)[1] for m in _mechanisms.MECHANISMS if hasattr(m, "__name__")}
     used: list[str] = []
     for node in ast.walk(ast.parse(engine.read_text())):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):

@@ -44,6 +44,43 @@ def test_module_buffers_is_the_registry_register_buffer_fills() -> None:
     assert dict(module.named_buffers())["running_mean"] is swapped
 
 
+def test_module_parameters_is_the_registry_attribute_access_reads() -> None:
+    module = torch.nn.Linear(2, 2)
+    parameters = _torch_private.module_parameters(module)
+    assert list(parameters) == ["weight", "bias"]
+    swapped = torch.nn.Parameter(torch.zeros(2, 2))
+    parameters["weight"] = swapped  # what _written does in a recompute
+    assert module.weight is swapped
+    assert torch.equal(module(torch.ones(1, 2)), module.bias.detach().reshape(1, 2))
+
+
+def test_recompute_whole_finds_the_checkpoint_frame_of_a_determinism_check() -> None:
+    """NOTE [ late writes ]: torch's pack hook calls the region's metadata_fn, and its
+    closure holds the checkpoint's frame, whose early_stop the recompute reads."""
+    found: list[bool] = []
+    forward = [True]
+
+    def probe(x: torch.Tensor) -> int:
+        if forward[0]:  # torch's recompute check calls it from elsewhere
+            found.append(_torch_private.recompute_whole(1))
+        return 0
+
+    _torch_private.register_determinism_check("scopedckpt-test-probe", probe)
+    try:
+        x = torch.randn(3, requires_grad=True)
+        out = tc.checkpoint(
+            lambda t: t.sin().cos(),
+            x,
+            use_reentrant=False,
+            determinism_check="scopedckpt-test-probe",
+        )
+        forward[0] = False
+        out.sum().backward()
+    finally:
+        del tc._allowed_determinism_checks_to_fns["scopedckpt-test-probe"]
+    assert found and all(found)
+
+
 def test_flash_attention_for_cpu_is_tagged_random_even_without_dropout() -> None:
     """Why strict mode reads dropout_p (kept true: if torch drops the tag, simplify)."""
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default

@@ -3,12 +3,14 @@ from fingerprints (``_verify.py``, NOTE [ bitwise verification ]; issue 25)."""
 
 from __future__ import annotations
 
+import inspect
+import math
 import re
 
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from hypothesis import given
+from hypothesis import given, note
 from hypothesis import strategies as st
 from torch import nn
 
@@ -17,7 +19,7 @@ from scopedckpt import _verify
 from scopedckpt.integrations import patch_torch_checkpoint
 from scopedckpt.testing import assert_checkpoint_equivalent
 
-from .strategies import Case, cases
+from .strategies import Case, Region, cases
 
 
 class Counting(nn.Module):
@@ -85,8 +87,30 @@ def test_any_single_value_changed_by_one_ulp_is_caught(index: int, shape: tuple[
     x = torch.randn(*shape, requires_grad=True)
     with scopedckpt.checkpointing():
         out = scopedckpt.checkpoint(region, x, determinism_check="bitwise")
-    with pytest.raises(scopedckpt.ScopedCkptError, match="Saved tensor #"):
+    with pytest.raises(scopedckpt.ScopedCkptError, match="Saved tensor #") as error:
         out.sum().backward()
+    numel = math.prod(shape)  # at most 64 values: counted exactly
+    assert f"1 of its {numel} values differs" in str(error.value)
+    assert f"the first at flat index {index % numel}." in str(error.value)
+
+
+@pytest.mark.parametrize("index", [0, 101, 1269, 102])
+def test_large_tensors_count_differences_in_a_sample_of_64_values(index: int) -> None:
+    """A tensor of 1,270 values: 64 are kept, at rounded evenly spaced positions (0, 20,
+    40, ..., 101 is the sixth); a value moved elsewhere is seen by the sums only."""
+    torch.manual_seed(0)
+    region = Perturbed(index, (127, 10))
+    x = torch.randn(127, 10, requires_grad=True)
+    with scopedckpt.checkpointing():
+        out = scopedckpt.checkpoint(region, x, determinism_check="bitwise")
+    with pytest.raises(scopedckpt.ScopedCkptError, match="Saved tensor #") as error:
+        out.sum().backward()
+    message = str(error.value)
+    if index == 102:  # not a sampled position
+        assert "None of the 64 values sampled at evenly spaced positions differ" in message
+    else:
+        assert "1 of the 64 values sampled at evenly spaced positions differs" in message
+        assert f"the first at flat index {index}." in message
 
 
 def test_reordered_values_are_caught() -> None:
@@ -104,9 +128,81 @@ def test_reordered_values_are_caught() -> None:
         out.sum().backward()
 
 
+class OneValueMoved(nn.Module):
+    """Moves one value of a saved tensor by one ulp, only in recomputes."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.sigmoid()
+        if scopedckpt.is_recomputing():
+            flat = y.detach().reshape(-1).clone()
+            i = self.index % flat.numel()
+            flat[i] = torch.nextafter(flat[i], torch.tensor(float("inf")))
+            y = y + (flat.reshape(y.shape) - y).detach()
+        return x * y  # saves y
+
+
+class TwoOpsReordered(nn.Module):
+    """Runs two ops in the other order in recomputes: each saves its output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if scopedckpt.is_recomputing():
+            b = x.tanh()
+            a = x.sigmoid()
+        else:
+            a = x.sigmoid()
+            b = x.tanh()
+        return x + a * b
+
+
+def _lines(module: type[nn.Module]) -> range:
+    lines, first = inspect.getsourcelines(module.forward)
+    return range(first, first + len(lines))
+
+
+@given(
+    case=cases(max_steps=1),
+    divergence=st.sampled_from([OneValueMoved, TwoOpsReordered]),
+    index=st.integers(0, 10_000),
+    where=st.integers(0, 10),
+)
+def test_any_single_injected_divergence_in_a_random_model_is_caught_and_named(
+    case: Case, divergence: type[nn.Module], index: int, where: int
+) -> None:
+    """A random exact model (test_exactness's) with one divergence injected into its
+    first region: one value moved by one ulp, or two ops run in the other order. The
+    recompute's first differing saved tensor raises, naming the op's source line."""
+    model = case.model
+    layer = OneValueMoved(index) if divergence is OneValueMoved else TwoOpsReordered()
+    model.pool.append(layer)
+    first, *rest = model.program  # a region: cases() makes the program one if needed
+    region = (
+        first
+        if isinstance(first, Region)
+        else next(item for item in rest if isinstance(item, Region))
+    )
+    at = where % (len(region.body) + 1)
+    injected = Region(
+        (*region.body[:at], len(model.pool) - 1, *region.body[at:]), region.early_stop
+    )
+    model.program = tuple(injected if item is region else item for item in model.program)
+    with pytest.raises(scopedckpt.ScopedCkptError, match="bitwise verification failed") as error:
+        assert_checkpoint_equivalent(
+            model, case.x, targets=(), seed=case.seed, determinism_check="bitwise"
+        )
+    line = re.search(r"test_verify\.py:(\d+) \(in forward\)", str(error.value))
+    assert line is not None, str(error.value)
+    assert int(line.group(1)) in _lines(divergence), str(error.value)
+    assert re.search(r"\d+ of (its|the) \d+ values", str(error.value)), str(error.value)
+
+
 @given(case=cases(), backward=st.sampled_from(["backward", "retain_graph"]))
 def test_exact_models_pass_bitwise_verification(case: Case, backward: str) -> None:
     """Random models (test_exactness's) are exact, so verification never raises on them."""
+    note(repr(case))
     assert_checkpoint_equivalent(
         case.model,
         case.x,
@@ -151,6 +247,25 @@ def test_rrelu_layers_are_recomputed_whole_and_exact() -> None:
     out.sum().backward()
 
 
+@pytest.mark.usefixtures("no_sampling")
+def test_rrelu_layers_recompute_whole_without_any_verification() -> None:
+    """The subtree listing finds nn.RReLU layers with no verified call to see them save
+    (NOTE [ late writes ])."""
+    torch.manual_seed(0)
+    region = nn.Sequential(nn.Linear(4, 4), nn.RReLU(), nn.Linear(4, 4), nn.RReLU())
+    x = torch.randn(8, 4, requires_grad=True)
+    for step in range(3):
+        torch.manual_seed(step)
+        region(x).sum().backward()
+        expected, x.grad = x.grad, None
+        torch.manual_seed(step)
+        with scopedckpt.checkpointing(region):
+            out = region(x)
+        out.sum().backward()
+        assert torch.equal(x.grad, expected), f"step {step}"
+        x.grad = None
+
+
 def test_rrelu_in_eval_mode_saves_unwritten_noise_that_is_not_compared() -> None:
     """In eval mode rrelu saves its noise unwritten and never reads it: each run saves
     whatever memory it got (found by the thorough property test). NOTE [ unread saved
@@ -170,27 +285,61 @@ def test_rrelu_in_eval_mode_saves_unwritten_noise_that_is_not_compared() -> None
         del junk
 
 
-def test_functional_rrelu_with_early_stop_is_caught_and_exact_without_it() -> None:
-    """F.rrelu outside an RReLU layer is not seen: verification says so; early_stop=False
-    is exact. The recompute's unwritten noise can hold the forward's values by chance,
-    when the allocator hands the same block back (1 step in 300 measured): three tries."""
+class FunctionalRReLU(nn.Module):
+    """F.rrelu in training outside an nn.RReLU layer: not seen by the subtree listing."""
 
-    def region(t: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.rrelu(t * 2, training=True)
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rrelu(self.linear(x), training=True)
+
+
+def _rrelu_function(t: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.rrelu(t * 2, training=True)
+
+
+@pytest.mark.parametrize("how", ["function", "module"])
+def test_functional_rrelu_recomputes_whole_from_the_first_step(how: str) -> None:
+    """F.rrelu saves its noise before writing it (NOTE [ late writes ]): the first call of
+    a site, verified by default, sees it, recomputes that region whole and remembers the
+    site, whose later (unverified) calls recompute whole too. Exact at every step."""
+    torch.manual_seed(0)
+    layer = FunctionalRReLU()
+    fn = _rrelu_function if how == "function" else layer
     x = torch.randn(3, 4, requires_grad=True)
-    messages = []
-    for _ in range(3):
+    before = _verify.COUNTERS.compared
+    for step in range(4):
+        torch.manual_seed(step)
+        fn(x).sum().backward()
+        expected = [x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)]
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
         with scopedckpt.checkpointing():
-            out = scopedckpt.checkpoint(region, x, determinism_check="bitwise")
-        try:
-            out.sum().backward()
-        except scopedckpt.ScopedCkptError as error:
-            messages.append(str(error))
-    assert messages and "early_stop=False" in messages[0]
-    with scopedckpt.checkpointing():
-        out = scopedckpt.checkpoint(region, x, determinism_check="bitwise", early_stop=False)
-    out.sum().backward()
+            out = scopedckpt.checkpoint(fn, x)
+        out.sum().backward()
+        got = [x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)]
+        assert len(got) == len(expected)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), f"step {step}"
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+    assert _verify.COUNTERS.compared > before  # the first call was verified
+    from scopedckpt import _early_stop
+
+    module = layer if how == "module" else None
+    assert _early_stop.full_recompute(module, fn)
+
+
+def test_functional_rrelu_is_exact_under_bitwise_and_without_early_stop() -> None:
+    x = torch.randn(3, 4, requires_grad=True)
+    for early_stop in (True, False):
+        with scopedckpt.checkpointing():
+            out = scopedckpt.checkpoint(
+                _rrelu_function, x, determinism_check="bitwise", early_stop=early_stop
+            )
+        out.sum().backward()
 
 
 def test_every_recompute_is_verified_and_nested_regions_too() -> None:

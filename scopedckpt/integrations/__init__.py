@@ -11,7 +11,7 @@ Nothing here imports a third-party library at import time.
 
 from __future__ import annotations
 
-from .._engine import register_mechanism
+from .._mechanisms import register_mechanism
 from .._patch import patch_torch_checkpoint
 from . import _hf_cache
 

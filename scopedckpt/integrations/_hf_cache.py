@@ -1,7 +1,7 @@
 """Hugging Face key/value caches refused in regions: a region mechanism.
 
 Registered by :mod:`scopedckpt.integrations` (NOTE [ region mechanisms ] in
-``_engine.py``): when a region starts, a ``transformers`` cache among its
+``_mechanisms.py``): when a region starts, a ``transformers`` cache among its
 arguments raises :class:`ScopedCkptError`, since every recompute would append
 this step's keys and values to it again. Layers declaring
 ``_can_checkpoint_with_cache = True`` only read the cache (Hugging Face keeps
