@@ -21,18 +21,20 @@ private module implementing :class:`Mechanism`, listed once in
 reverse, each undo run even when another raised, and undoes what it entered
 when an entry raises: no token, hook or mode outlives a frame.
 
-==============  ==========================  ====================================
-mechanism       tape                        frame
-==============  ==========================  ====================================
-``_strict``     nothing                     first forward under the detector
-``_inputs``     tensor inputs' versions     first forward: none written in place
-``_rng``        generators' states          recomputes start from them
-``_written``    written buffers' copies     recomputes: copies swapped in
-``_guard``      module states, per call     module calls guarded
-``_selective``  kept op outputs             recorded, or served
-``_report``     a memory_report row         saved tensors counted, time taken
-``_verify``     fingerprints (bitwise)      first forward: fingerprints taken
-==============  ==========================  ====================================
+================  ==========================  ====================================
+mechanism         tape                        frame
+================  ==========================  ====================================
+``_strict``       nothing                     first forward under the detector
+``_inputs``       tensor inputs' versions     first forward: none written in place
+``_rng``          generators' states          recomputes start from them
+``_generators``   explicit ones' states       recomputes start from them;
+                                              verified first forwards find them
+``_written``      written buffers' copies     recomputes: copies swapped in
+``_guard``        module states, per call     module calls guarded
+``_selective``    kept op outputs             recorded, or served
+``_report``       a memory_report row         saved tensors counted, time taken
+``_verify``       fingerprints (bitwise)      first forward: fingerprints taken
+================  ==========================  ====================================
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from . import _guard, _inputs, _report, _rng, _selective, _strict, _verify, _written
+from . import _generators, _guard, _inputs, _report, _rng, _selective, _strict, _verify, _written
 from ._state import FORWARD, RECOMPUTE, Frame, Phase, RegionCall, Tape
 
 __all__ = ["MECHANISMS", "Mechanism", "Undo", "frame_plan", "register_mechanism"]
@@ -71,7 +73,9 @@ def _registered(*mechanisms: Mechanism) -> tuple[Mechanism, ...]:
 # found at a call, which may be _written's copies, before _written puts back the real
 # ones. A new mechanism: a module and a name here (or, for an integration, a
 # register_mechanism call in its package).
-MECHANISMS = _registered(_strict, _inputs, _rng, _written, _guard, _selective, _report, _verify)
+MECHANISMS = _registered(
+    _strict, _inputs, _rng, _generators, _written, _guard, _selective, _report, _verify
+)
 
 
 def register_mechanism(mechanism: Mechanism, *, first: bool = False) -> None:

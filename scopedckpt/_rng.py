@@ -27,10 +27,10 @@ forward started from:
 This was chosen over per-op record/replay (a dispatch mode over every op of
 every region, and a generator state per random op) because it costs two state
 copies per region and nothing per op; ``benchmarks/run.py`` keeps the cost
-visible. What it cannot replay: random ops given an explicit non-default
-``generator=`` (the stash cannot know it; ``checkpointing(strict=True)``
-reports them), and draws made by another thread on the shared default
-generator while a region runs (as for ``torch.utils.checkpoint``).
+visible. Random ops given an explicit non-default ``generator=`` are replayed
+by another mechanism (NOTE [ explicit generators ] in ``_generators.py``). What
+it cannot replay: draws made by another thread on the shared default generator
+while a region runs (as for ``torch.utils.checkpoint``).
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # the mechanisms' own types; they import this module
     from torch import nn
     from torch.utils.hooks import RemovableHandle
 
+    from ._generators import Generators
     from ._module_state import GuardEntry, ModuleState
     from ._policy import SavePolicy
     from ._report import RegionStats
@@ -149,6 +150,7 @@ class Tape:
 
     records: list[Record] = field(default_factory=list)
     rng: RngStash | None = None  # _rng: None when the region does not replay the RNG
+    generators: Generators | None = None  # _generators: explicit generators, their states
     states: dict[tuple[int, int], ModuleState] = field(default_factory=dict)  # _guard
     # _guard: each module the first forward called, by id, with its mode then.
     modes: dict[int, tuple[Any, bool]] = field(default_factory=dict)

@@ -189,9 +189,22 @@ class InPlaceWeight(nn.Module):
         return x + 0.125 * self.weight.view(_channels(x))
 
 
+class OwnGenerator(nn.Module):
+    """Adds noise drawn from a generator of its own (NOTE [ explicit generators ]: replayed
+    once a verified first forward has seen it)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + 0.125 * torch.randn(x.shape, generator=self.generator)
+
+
 @st.composite
-def layers(draw: st.DrawFn, rank: int, c: int) -> nn.Module:
-    """One shape-preserving layer for input of ``rank`` with ``c`` channels."""
+def layers(draw: st.DrawFn, rank: int, c: int, generators: bool = False) -> nn.Module:
+    """One shape-preserving layer for input of ``rank`` with ``c`` channels; ``generators``:
+    also layers drawing from generators of their own (exact under ``"bitwise"``)."""
     batch_norm = {
         2: scopedckpt.BatchNorm1d,
         3: scopedckpt.BatchNorm1d,
@@ -212,8 +225,10 @@ def layers(draw: st.DrawFn, rank: int, c: int) -> nn.Module:
     # Unscoped ones: replayed by the RNG stash, guarded by the buffer guard.
     kinds += ["torch_dropout", "functional_dropout", "drop_path", "torch_batch_norm"]
     kinds += ["own_forward_batch_norm", "counter", "noise", "hooked_counter", "rrelu"]
-    kinds += ["banked", "in_place_weight"]
+    kinds += ["banked", "in_place_weight"] + (["own_generator"] if generators else [])
     kind = draw(st.sampled_from(kinds))
+    if kind == "own_generator":
+        return OwnGenerator(draw(st.integers(0, 2**16)))
     if kind == "banked":
         return Banked(c)
     if kind == "in_place_weight":
@@ -312,11 +327,12 @@ class Case:
 
 
 @st.composite
-def cases(draw: st.DrawFn, max_steps: int = 3) -> Case:
-    """A random model with random regions, input, seed and training mode."""
+def cases(draw: st.DrawFn, max_steps: int = 3, generators: bool = False) -> Case:
+    """A random model with random regions, input, seed and training mode; ``generators``:
+    see :func:`layers`."""
     rank = draw(st.sampled_from(RANKS))
     c = draw(st.integers(1, 4))
-    pool = draw(st.lists(layers(rank, c), min_size=2, max_size=6))
+    pool = draw(st.lists(layers(rank, c, generators), min_size=2, max_size=6))
     program = draw(programs(len(pool)))
     if not any(isinstance(item, Region) for item in program):
         program = (Region(program, draw(st.booleans())),)

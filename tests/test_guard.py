@@ -350,13 +350,31 @@ def test_the_class_cache_forgets_classes_made_at_run_time() -> None:
     assert key not in _module_state._CLASSES
 
 
-def test_a_modules_own_pre_hook_updating_buffers_is_guarded_in_recomputes() -> None:
+class InALambda(nn.Module):
+    """Runs ``inner`` as a region of a lambda: a region over no module, which only the
+    buffer guard keeps (NOTE [ unguarded writes ] copies the subtrees of modules)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return scopedckpt.checkpoint(lambda t: self.inner(t), x)
+
+
+@pytest.mark.parametrize("region", ["module", "lambda"])
+def test_a_modules_own_pre_hook_updating_buffers_is_guarded_in_recomputes(region: str) -> None:
     """Spectral norm updates its ``weight_u`` buffer in a forward pre-hook of its own: the
     recompute's guard must swap the buffers before that hook runs (issue 25, hole 2)."""
     torch.manual_seed(0)
     normed = nn.utils.spectral_norm(nn.Linear(8, 8))
-    model = nn.Sequential(nn.Sequential(normed, nn.ReLU()), nn.Linear(8, 2))
-    assert_checkpoint_equivalent(model, torch.randn(4, 8), targets=[model[0]], steps=3)
+    block = nn.Sequential(normed, nn.ReLU())
+    if region == "module":
+        model = nn.Sequential(block, nn.Linear(8, 2))
+        assert_checkpoint_equivalent(model, torch.randn(4, 8), targets=[model[0]], steps=3)
+    else:
+        model = nn.Sequential(InALambda(block), nn.Linear(8, 2))
+        assert_checkpoint_equivalent(model, torch.randn(4, 8), targets=(), steps=3)
 
 
 class PostCounted(nn.Module):
@@ -376,26 +394,28 @@ def _count_call(module: nn.Module, args: object, output: object) -> None:
     module.calls.add_(1)  # type: ignore[operator]
 
 
+@pytest.mark.parametrize("region", ["module", "lambda"])
 @pytest.mark.parametrize(
     "scope", [{}, {"strict": True}, {"save": [torch.ops.aten.mm]}, {"save": [nn.Linear]}]
 )
 def test_a_modules_own_post_hook_updating_buffers_is_guarded_in_recomputes(
-    scope: dict[str, object],
+    scope: dict[str, object], region: str
 ) -> None:
     """Per-module recompute hooks (plain) and the global ones (strict mode, selective
     saving) alike: the module's own post hook updates copies in the recompute (issue 25,
-    hole 2, post hooks)."""
+    hole 2, post hooks). A region over a lambda is kept by the guard alone."""
     torch.manual_seed(0)
     # A layer after it saves a tensor, so the recompute (early stop) runs its hooks too.
     block = nn.Sequential(nn.Linear(8, 8), PostCounted(), nn.Linear(8, 8))
-    model = nn.Sequential(block, nn.Linear(8, 2))
+    model = nn.Sequential(block if region == "module" else InALambda(block), nn.Linear(8, 2))
+    targets = [model[0]] if region == "module" else []
     x = torch.randn(4, 8)
     for step in range(2):
-        with scopedckpt.checkpointing(model[0], root=model, **scope):  # type: ignore[arg-type]
+        with scopedckpt.checkpointing(*targets, root=model, **scope):  # type: ignore[arg-type]
             loss = model(x).sum()
         loss.backward()
-        assert float(model[0][1].calls) == step + 1
-    assert_checkpoint_equivalent(model, x, targets=[model[0]], steps=2, determinism_check="bitwise")
+        assert float(block[1].calls) == step + 1
+    assert_checkpoint_equivalent(model, x, targets=targets, steps=2, determinism_check="bitwise")
 
 
 def test_a_global_pre_hook_updating_buffers_is_guarded() -> None:
@@ -419,6 +439,9 @@ def test_a_global_pre_hook_updating_buffers_is_guarded() -> None:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Sequential(Counted(), nn.ReLU()), nn.Linear(6, 2))
         assert_checkpoint_equivalent(model, torch.randn(4, 6), targets=[model[0]], steps=3)
+        torch.manual_seed(0)
+        model = nn.Sequential(InALambda(nn.Sequential(Counted(), nn.ReLU())), nn.Linear(6, 2))
+        assert_checkpoint_equivalent(model, torch.randn(4, 6), targets=(), steps=3)
     finally:
         handle.remove()
 

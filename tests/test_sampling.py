@@ -4,6 +4,7 @@ region site, and every 64th after it, bit for bit (NOTE [ sampled verification ]
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 import pytest
@@ -19,7 +20,7 @@ from .test_verify import Counting
 
 class OwnGenerator(nn.Module):
     """Dropout with its own torch.Generator: not replayed by the default-generator stash
-    (issue 25, hole 6)."""
+    but by NOTE [ explicit generators ] (issue 25, hole 6)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -45,17 +46,32 @@ def _step(model: nn.Module, x: torch.Tensor, **scope: object) -> None:
 
 
 @pytest.mark.usefixtures("every_64")
-@pytest.mark.parametrize("layer", [Counting, OwnGenerator])
-def test_a_region_that_cannot_be_recomputed_exactly_fails_on_the_first_step(
-    layer: type[nn.Module],
-) -> None:
-    """A Python attribute and a private generator: nothing replays them, and by default
-    the first step says so, naming the region, instead of training silently wrong."""
+def test_a_region_that_cannot_be_recomputed_exactly_fails_on_the_first_step() -> None:
+    """A Python attribute: nothing replays it, and by default the first step says so,
+    naming the region, instead of training silently wrong."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), layer(), nn.Linear(4, 1))
+    model = nn.Sequential(nn.Linear(4, 4), Counting(), nn.Linear(4, 1))
     with pytest.raises(scopedckpt.ScopedCkptError, match="bitwise verification failed") as error:
         _step(model, torch.randn(3, 4))
     assert "'1'" in str(error.value)
+
+
+@pytest.mark.usefixtures("every_64")
+def test_a_private_generator_is_found_by_the_first_step_and_replayed() -> None:
+    """A generator of the layer's own: the first (verified) call finds it (NOTE [ explicit
+    generators ]), so the step is exact, and so are the unverified ones after it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), OwnGenerator(), nn.Linear(4, 1))
+    plain = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        plain(x).sum().backward()
+        _step(model, x)
+    assert all(
+        torch.equal(a.grad, b.grad)  # type: ignore[arg-type]
+        for a, b in zip(model.parameters(), plain.parameters())
+    )
+    assert torch.equal(model[1].generator.get_state(), plain[1].generator.get_state())
 
 
 @pytest.mark.usefixtures("every_64")
