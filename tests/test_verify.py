@@ -35,6 +35,17 @@ class Counting(nn.Module):
         return torch.tanh(self.linear(x) * self.calls)
 
 
+def _moved_in_recomputes(y: torch.Tensor, index: int) -> torch.Tensor:
+    """``y``, with the value at flat ``index`` (modulo its size) moved by one ulp in
+    recomputes only: the same graph, one value moved."""
+    if not scopedckpt.is_recomputing():
+        return y
+    flat = y.detach().reshape(-1).clone()
+    i = index % flat.numel()
+    flat[i] = torch.nextafter(flat[i], torch.tensor(float("inf")))
+    return y + (flat.reshape(y.shape) - y).detach()
+
+
 class Perturbed(nn.Module):
     """Changes one value of a tensor autograd saves by one ulp, only in recomputes."""
 
@@ -44,13 +55,7 @@ class Perturbed(nn.Module):
         self.weight = nn.Parameter(torch.randn(shape[-1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.sigmoid()
-        if scopedckpt.is_recomputing():
-            flat = y.detach().reshape(-1).clone()
-            i = self.index % flat.numel()
-            flat[i] = torch.nextafter(flat[i], torch.tensor(float("inf")))
-            y = y + (flat.reshape(y.shape) - y).detach()  # the same graph, one value moved
-        return y * self.weight  # saves y: weight needs a gradient
+        return _moved_in_recomputes(x.sigmoid(), self.index) * self.weight  # saves it
 
 
 def test_a_python_attribute_changed_in_forward_is_caught_and_named() -> None:
@@ -136,13 +141,7 @@ class OneValueMoved(nn.Module):
         self.index = index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.sigmoid()
-        if scopedckpt.is_recomputing():
-            flat = y.detach().reshape(-1).clone()
-            i = self.index % flat.numel()
-            flat[i] = torch.nextafter(flat[i], torch.tensor(float("inf")))
-            y = y + (flat.reshape(y.shape) - y).detach()
-        return x * y  # saves y
+        return x * _moved_in_recomputes(x.sigmoid(), self.index)  # saves it
 
 
 class TwoOpsReordered(nn.Module):

@@ -29,11 +29,22 @@ class Bank(nn.Module):
             self.pointer.fill_((i + keys.shape[0]) % 12)
 
 
+class CalledBank(Bank):
+    """A bank that is called as a module as well as pushed through a method."""
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        queue = self.queue.clone()  # as it is now: pushed into later
+        return (y @ queue.T) @ queue
+
+
 class WithBank(nn.Module):
+    """Pushes into its bank through a method and never calls it; subclasses that call it
+    run the same set-up."""
+
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(4, 4)
-        self.bank = Bank()
+        self.bank = CalledBank()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)
@@ -59,21 +70,8 @@ class ParentWritesChild(nn.Module):
         return y - self.stats.mean
 
 
-class CalledBank(Bank):
-    """A bank that is called as a module as well as pushed through a method."""
-
-    def forward(self, y: torch.Tensor) -> torch.Tensor:
-        queue = self.queue.clone()  # as it is now: pushed into later
-        return (y @ queue.T) @ queue
-
-
-class PushAroundTheCall(nn.Module):
+class PushAroundTheCall(WithBank):
     """Pushes before and after calling the bank: writes outside the bank's own call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-        self.bank = CalledBank()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)
@@ -83,14 +81,9 @@ class PushAroundTheCall(nn.Module):
         return out * self.bank.pointer
 
 
-class EndsInsideTheBank(nn.Module):
+class EndsInsideTheBank(WithBank):
     """Pushes, then calls the bank last: torch's early stop ends the recompute inside the
     bank's call, with its guarded call unfinished."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-        self.bank = CalledBank()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)
@@ -382,7 +375,7 @@ def test_a_write_the_first_step_did_not_make_is_refused_naming_it() -> None:
             model(x)
         message = str(error.value)
         assert "'1' (SometimesPushes)" in message  # the region
-        assert "buffer 'queue' of '1.bank' (Bank)" in message
+        assert "buffer 'queue' of '1.bank' (CalledBank)" in message
         assert "never called" in message and "in the first step as well" in message
         model(x).sum().backward()  # copied now
 
