@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from . import RESULTS, ROOT, targets
+from . import RESULTS, ROOT, plan_tables, targets
 from .tables import TABLES, Results
 
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -28,7 +28,11 @@ REGION = re.compile(
     re.MULTILINE | re.DOTALL,
 )
 OPENING = re.compile(r"^<!-- generated:", re.MULTILINE)
-RENDERERS: dict[str, Callable[[Results], list[str]]] = {**TABLES, "targets": targets.render}
+RENDERERS: dict[str, Callable[[Results], list[str]]] = {
+    **TABLES,
+    **plan_tables.TABLES,
+    "targets": targets.render,
+}
 
 
 def render(text: str, results: Results) -> str:

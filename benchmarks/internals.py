@@ -19,7 +19,11 @@ from torch import nn
 
 from scopedckpt import _dropout, _engine, _guard, _mask
 from scopedckpt._demo import saved_activation_bytes
+from scopedckpt._live import LiveBytes
 from scopedckpt._options import RegionOptions
+from scopedckpt._plan import choose
+from scopedckpt._profile import profile_step
+from scopedckpt._solve import solve
 from scopedckpt._state import FRAME, Scope
 
 __all__ = [
@@ -27,11 +31,15 @@ __all__ = [
     "REACHED",
     "ForcedFormulation",
     "GlobalHooksOff",
+    "LiveBytes",
     "MaskVariant",
     "RegionPieces",
+    "choose",
     "dropout_mask",
+    "profile_step",
     "random_words",
     "saved_activation_bytes",
+    "solve",
 ]
 
 

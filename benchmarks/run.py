@@ -3,10 +3,11 @@
 Run by hand from the repository root (not part of the test suite)::
 
     pip install -e ".[bench]"
-    python -m benchmarks.run [--quick] [--compiled | --selective | --fixed-heap]
+    python -m benchmarks.run [--quick] [--compiled | --selective | --fixed-heap | --plan]
 
 ``--compiled`` runs only the torch.compile section instead (:mod:`benchmarks.compiled`),
 ``--selective`` only the selective-saving trade-off (:mod:`benchmarks.selective`),
+``--plan`` only the memory-budget planner against torch's strategies (:mod:`benchmarks.plan`),
 ``--fixed-heap`` only the step-time table with glibc's heap trimming and dynamic
 mmap threshold off in the workers (``FIXED_HEAP``, ``results/fixed_heap.json``).
 
@@ -224,6 +225,11 @@ def main() -> None:
         "--selective", action="store_true", help="only the selective-saving section (selective.py)"
     )
     parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="only the memory-budget planner against torch's strategies (plan.py)",
+    )
+    parser.add_argument(
         "--fixed-heap",
         action="store_true",
         help="only the step-time table, with glibc's heap trimming and dynamic mmap "
@@ -242,6 +248,10 @@ def main() -> None:
         from . import selective
 
         selective.main(args.quick)
+    elif args.plan:
+        from . import plan
+
+        plan.main(args.quick)
     elif args.fixed_heap:
         repeats, depths = (3, (4, 8)) if args.quick else (21, (4, 8, 16, 32))
         run_fixed_heap(depths, repeats, args.quick)

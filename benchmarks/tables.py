@@ -319,6 +319,7 @@ WRITTEN_BY = {
     "small_models": "python -m benchmarks.small_models",
     "threads": "python -m benchmarks.threads",
     "verify": "python -m benchmarks.verify",
+    "plan": "python -m benchmarks.run --plan",
 }
 
 

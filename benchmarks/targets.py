@@ -66,6 +66,28 @@ def _report(data: Any) -> Values:
     return {k: [v["memory_report"]] for k, v in data["measurement_overheads"].items()}
 
 
+def _plan_vs_torch(k: int) -> Any:
+    def values(data: Any) -> Values:
+        out: Values = {}
+        for r in data["rows"]:
+            pair = r["plan_vs_torch"].get(f"every {k}")
+            out[r["model"]] = [pair[0] if pair is not None else float("inf")]  # inf: no plan fits
+        return out
+
+    return values
+
+
+def _plan_key(key: str, count: bool = False) -> Any:
+    def values(data: Any) -> Values:
+        return {r["model"]: [len(r[key]) if count else r[key]] for r in data["rows"]}
+
+    return values
+
+
+def _solver(data: Any) -> Values:
+    return {"200 blocks": list(data["solver_200_blocks_s"].values())}
+
+
 LARGE = ("mlp", "transformer", "cnn")
 TARGETS = (
     Target("(c)/(b) step time ≤ 0.95 on the MLP, transformer and CNN", "results",
@@ -84,6 +106,17 @@ TARGETS = (
     Target("step time with `memory_report()` ≤ 1.05 × without", "results", _report, 1.05),
     Target("saved for backward (c)/(b) ≤ 1, every model and depth", "results", _saved_c_over_b, 1.0),
     Target("scopedckpt/torch ≤ 1.00 on the small models (one thread)", "small_models", _small, 1.00),
+    Target("plan at torch's every-block peak: step ≤ 0.97 × torch's", "plan",
+           _plan_vs_torch(1), 0.97),
+    Target("plan at torch's every-2nd-block peak: step ≤ 1.00 × torch's", "plan",
+           _plan_vs_torch(2), 1.00),
+    Target("no torch point both smaller and faster than a plan (pairs)", "plan",
+           _plan_key("dominated", count=True), 0, 0),
+    Target("measured peak within 10 % of the predicted, every plan", "plan",
+           _plan_key("worst_peak_error"), 0.10),
+    Target("planning (profile + solve) ≤ 3 steps without checkpointing", "plan",
+           _plan_key("planning_steps"), 3.0, 2),
+    Target("the solver on 200 blocks ≤ 1 s", "plan", _solver, 1.0),
 )  # fmt: skip
 
 

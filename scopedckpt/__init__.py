@@ -41,6 +41,7 @@ from ._layers import (
     FeatureAlphaDropout,
 )
 from ._module_state import Stateful
+from ._plan import Plan, plan
 from ._report import MemoryReport, memory_report
 from ._sampling import set_verification_sampling
 from ._scope import checkpointing
@@ -61,6 +62,7 @@ __all__ = [
     "FeatureAlphaDropout",
     "MemoryReport",
     "Phase",
+    "Plan",
     "ScopedCkptError",
     "Stateful",
     "checkpoint",
@@ -72,6 +74,7 @@ __all__ = [
     "is_recomputing",
     "memory_report",
     "phase",
+    "plan",
     "policies",
     "replay",
     "set_verification_sampling",

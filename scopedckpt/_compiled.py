@@ -135,6 +135,10 @@ def compiled_region(
             "model eagerly (the same regions without torch.compile), or pass 'default'."
         )
     save = options.save
+    if save is None and MIRROR.planned:
+        # A plan's regions differ in policy, which only the eager scope can tell per
+        # module (Scope.policy_for): an eager region, a graph break.
+        return _eager_policy_region(fn, owner, args, kwargs, options)
     if save is None:
         save = MIRROR.save  # a parsed policy (or None)
         key, modules = (-1, False) if save is None else (save.key, save.selects_modules)

@@ -64,6 +64,9 @@ class CompiledView(threading.local):
         self.enabled_blocks = 0  # behind ``regions`` (eager code only)
         self.frames = 0  # behind ``eager`` (eager code only)
         self.save: Any = None  # the innermost block's _policy.SavePolicy, or None
+        # The innermost block applies a plan whose regions differ in policy (compiled
+        # regions then leave the graph to ask the scope: Scope.policy_for).
+        self.planned = False
 
 
 MIRROR = CompiledView()
@@ -118,21 +121,23 @@ def region_path(scope: Scope | None = None) -> Path:
     return Path.EAGER
 
 
-def enter_block(delta: int, save: Any) -> Any:
+def enter_block(delta: int, save: Any, planned: bool = False) -> Any:
     """An eager ``checkpointing()`` block is entered; ``delta``: how it changes the number
     of enabled blocks (an enabled block nested in an enabled one counts once, a
-    disabled one in an enabled one takes one away). Returns what :func:`exit_block`
-    takes to put the mirror back."""
+    disabled one in an enabled one takes one away); ``planned``: its regions' policies
+    differ per module (``MIRROR.planned``). Returns what :func:`exit_block` takes to
+    put the mirror back."""
     MIRROR.enabled_blocks += delta
     MIRROR.regions = MIRROR.enabled_blocks > 0
-    previous = delta, MIRROR.save
+    previous = delta, MIRROR.save, MIRROR.planned
     MIRROR.save = save
+    MIRROR.planned = planned
     return previous
 
 
 def exit_block(previous: Any) -> None:
     """Undo :func:`enter_block`."""
-    delta, MIRROR.save = previous
+    delta, MIRROR.save, MIRROR.planned = previous
     MIRROR.enabled_blocks -= delta
     MIRROR.regions = MIRROR.enabled_blocks > 0
 

@@ -12,8 +12,10 @@ from typing import Any, TypeVar
 from torch import nn
 
 from . import _targets
+from ._errors import ScopedCkptError
 from ._options import DETERMINISM_CHECKS
 from ._paths import EAGER, enter_block, exit_block, where
+from ._plan import Plan
 from ._policy import SavePolicy, as_policy
 from ._state import SCOPE, Scope
 
@@ -22,7 +24,7 @@ __all__ = ["checkpointing"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 Predicate = Callable[[str, nn.Module], bool]
-Target = nn.Module | type | Predicate
+Target = nn.Module | type | Predicate | Plan
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
@@ -59,8 +61,10 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         Modules whose forward becomes a region while the scope is active, with
         no wrapper modules: a module instance; an ``nn.ModuleList`` or
         ``nn.ModuleDict`` (each child); a module class (every instance of it
-        and of its subclasses); or a predicate ``(qualified_name, module) ->
-        bool`` over ``root.named_modules()``.
+        and of its subclasses); a predicate ``(qualified_name, module) ->
+        bool`` over ``root.named_modules()``; or a :class:`scopedckpt.Plan`
+        (its regions, each with the ``save=`` preset the plan chose for it,
+        which overrides ``save``; docs/memory-budget.md).
     enabled
         ``False`` turns checkpointing off inside the block.
     strict
@@ -145,7 +149,9 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         self._root = root
         self._save_items = save
         self._save: SavePolicy | None = as_policy(save)
-        self._modules, self._classes = _resolve(targets, root)
+        self._modules, self._classes, self._saves = resolve_targets(targets, root)
+        if root is None:
+            self._root = next((t.model for t in targets if isinstance(t, Plan)), None)
         self._entries: list[tuple[contextvars.Token[Scope | None], _targets.Patches, Any]] = []
         self._traced: list[tuple[tuple[bool, Any], list[tuple[nn.Module, Any]]]] = []
 
@@ -162,6 +168,13 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
 
     def __enter__(self) -> checkpointing:
         if where() is not EAGER:  # NOTE [ torch.compile ] in _compiled.py
+            if self._saves:
+                raise ScopedCkptError(
+                    "scopedckpt: checkpointing(plan) was entered inside a compiled "
+                    "function, where a block's forward cannot carry the save= preset the "
+                    "plan chose for it. Enter it around the call of the compiled model "
+                    "(with checkpointing(plan): loss = compiled(x)...)."
+                )
             self._traced.append(_targets.enter_traced(self._modules, self._enabled, self._save))
             return self
         parent = SCOPE.get()
@@ -171,6 +184,9 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         modules = tuple(self._modules)
         classes = self._classes
         keep: tuple[Any, ...] = modules
+        saves = self._saves
+        if parent is not None and parent.saves:
+            saves = {**parent.saves, **saves}
         if parent is not None:
             modules_ids = parent.modules | {id(m) for m in modules}
             classes = parent.classes + tuple(c for c in classes if c not in parent.classes)
@@ -190,10 +206,14 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
             self._save if self._save is not None else (parent.save if parent else None),
             self._determinism_check
             or (parent.determinism_check if parent is not None else "default"),
+            saves,
         )
         delta = int(self._enabled) - int(parent is not None and parent.enabled)
         token = SCOPE.set(scope)
-        self._entries.append((token, patches, enter_block(delta, scope.save)))
+        planned = bool(saves) and (
+            scope.save is not None or any(p is not None for p in saves.values())
+        )
+        self._entries.append((token, patches, enter_block(delta, scope.save, planned)))
         return self
 
     def __exit__(
@@ -247,14 +267,20 @@ def decorate(fresh: Callable[[], Any], func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _resolve(
+def resolve_targets(
     targets: tuple[Target, ...], root: nn.Module | None
-) -> tuple[list[nn.Module], tuple[type, ...]]:
-    """Split targets into module instances and module classes."""
+) -> tuple[list[nn.Module], tuple[type, ...], dict[int, SavePolicy | None]]:
+    """Split targets into module instances, module classes and the policies plans
+    chose (module id to its ``save=`` policy, None for a full region)."""
     modules: list[nn.Module] = []
     classes: list[type] = []
+    saves: dict[int, SavePolicy | None] = {}
     for index, target in enumerate(targets):
-        if isinstance(target, _CONTAINERS):
+        if isinstance(target, Plan):
+            for module, items in target.regions:
+                modules.append(module)
+                saves[id(module)] = None if items is None else as_policy(items)
+        elif isinstance(target, _CONTAINERS):
             children = target.values() if isinstance(target, nn.ModuleDict) else target
             modules.extend(children)
         elif isinstance(target, nn.Module):
@@ -282,4 +308,4 @@ def _resolve(
                 "predicate. To turn checkpointing off, pass enabled=False."
             )
     unique = list({id(m): m for m in modules}.values())
-    return unique, tuple(dict.fromkeys(classes))
+    return unique, tuple(dict.fromkeys(classes)), saves

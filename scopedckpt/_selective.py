@@ -310,7 +310,7 @@ FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
 
 def start_region(tape: Tape, call: RegionCall) -> bool:
     """A region with a policy (its own ``save=`` or its scope's) keeps a record."""
-    policy = call.save if call.save is not None else call.scope.save
+    policy = call.save if call.save is not None else call.scope.policy_for(call.owner)
     if policy is None:
         return False
     tape.saved = Saved(policy, policy.matched_modules(call.owner, call.label), call.label)

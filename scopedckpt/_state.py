@@ -104,6 +104,14 @@ class Scope:
     root: Any = None  # the model module paths in error messages are relative to
     save: Any = None  # _policy.SavePolicy of the regions this scope makes, or None
     determinism_check: str = "default"  # of its regions whose call leaves it at "default"
+    # Plans' choices: module id -> its regions' SavePolicy (None: full), over ``save``.
+    saves: dict[int, Any] = field(default_factory=dict, compare=False)
+
+    def policy_for(self, owner: object | None) -> Any:
+        """The ``save=`` policy of a region this scope makes for ``owner``'s forward."""
+        if self.saves and id(owner) in self.saves:
+            return self.saves[id(owner)]
+        return self.save
 
     def selects(self, module: object) -> bool:
         """Whether ``module``'s forward is a region in this scope."""

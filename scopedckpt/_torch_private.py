@@ -32,7 +32,9 @@ running torch's own checkpoint (``tests/test_torch_private.py``):
   own does, detaches kept outputs under ``torch._C._SetExcludeDispatchKeyGuard``
   so they share the version counter of the tensor the model holds, reads op
   schemas (``OpOverload._schema``) and asks ``torch._guards.TracingContext``
-  whether torch is tracing.
+  whether torch is tracing. The planner's counting mode reads the same schemas:
+  whether an op returns an alias of an argument, and which arguments it writes
+  in place (:func:`written_positions`).
 * **saved-tensor hooks**: the memory report reads the innermost pair through
   ``torch._C._autograd._top_saved_tensors_default_hooks``.
 * **module and tensor internals**: the buffer guard swaps entries of
@@ -97,6 +99,7 @@ __all__ = [
     "top_saved_tensors_hooks",
     "tracing",
     "version_of",
+    "written_positions",
 ]
 
 # The oldest torch tested. torch 2.12 does not throw an exception raised in a
@@ -345,6 +348,19 @@ def op_schema_facts(func: Any) -> tuple[bool, bool, bool, str]:
         any(r.alias_info is not None for r in schema.returns),
         any(isinstance(a.type, torch.TensorType) for a in schema.arguments),
         func.overloadpacket.__name__,
+    )
+
+
+def written_positions(func: Any) -> tuple[tuple[int, str, bool], ...]:
+    """Where an op's schema marks arguments it writes in place (``Tensor(a!)``): each as
+    (position, name, keyword-only); empty for an op that writes none."""
+    schema = func._schema
+    if not schema.is_mutable:
+        return ()
+    return tuple(
+        (index, argument.name, argument.kwarg_only)
+        for index, argument in enumerate(schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
     )
 
 

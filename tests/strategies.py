@@ -430,3 +430,55 @@ def count_scoped(model: nn.Module) -> dict[str, Any]:
         if isinstance(m, kinds):
             counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
     return counts
+
+
+class BlockModel(nn.Module):
+    """A stem, a ``ModuleList`` of blocks and a head: what ``scopedckpt.plan`` plans."""
+
+    def __init__(self, stem: nn.Module, blocks: list[nn.Module], head: nn.Module) -> None:
+        super().__init__()
+        self.stem, self.blocks, self.head = stem, nn.ModuleList(blocks), head
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@dataclass
+class BlockCase:
+    """A random block model, its input, a seed, steps, and a budget as a fraction of the
+    span from the smallest feasible budget (0) to the peak without checkpointing (1)."""
+
+    model: BlockModel
+    x: Tensor
+    seed: int
+    steps: int
+    budget: float
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockCase(x.shape={tuple(self.x.shape)}, seed={self.seed}, steps={self.steps}, "
+            f"budget={self.budget}, training={self.model.training},\nmodel={self.model})"
+        )
+
+
+@st.composite
+def block_cases(draw: st.DrawFn, max_blocks: int = 6) -> BlockCase:
+    """A random :class:`BlockModel` of random layers (as :func:`cases` draws them)."""
+    rank = draw(st.sampled_from(RANKS))
+    c = draw(st.integers(1, 4))
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    blocks: list[nn.Module] = [
+        nn.Sequential(*draw(st.lists(layers(rank, c), min_size=1, max_size=4)))
+        for _ in range(draw(st.integers(2, max_blocks)))
+    ]
+    stem = nn.Linear(c, c) if rank == 2 else nn.Identity()
+    model = BlockModel(stem, blocks, draw(layers(rank, c)))
+    model.train(draw(st.booleans()) or draw(st.booleans()))
+    spatial = {2: (), 3: (3,), 4: (2, 3), 5: (2, 2, 2)}[rank]
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    x = torch.randn((draw(st.integers(2, 5)), c, *spatial), generator=generator)
+    budget = draw(st.sampled_from([0.0, 0.25, 0.5, 1.0]) | st.floats(0.0, 1.0))
+    return BlockCase(model, x, draw(st.integers(0, 2**32 - 1)), draw(st.integers(1, 3)), budget)

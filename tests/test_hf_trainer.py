@@ -316,3 +316,25 @@ def test_a_deep_copy_keeps_its_own_setter() -> None:
     twin.activation_checkpointing_disable()
     assert regions_of(twin) == [False, False]
     assert regions_of(model) == [True, True]
+
+
+@pytest.mark.slow
+def test_trainer_under_a_plan_is_exact(plain: tuple[nn.Module, Tensor], tmp_path: Path) -> None:
+    """``scopedckpt.plan`` on one batch, then ``with checkpointing(plan):`` around
+    ``Trainer.train()``: the regions it chose, bit for bit plain training."""
+    import scopedckpt
+
+    model = gpt2()
+    ids = torch.stack([row["input_ids"] for row in _data()[:2]])
+    batch = {"input_ids": ids, "labels": ids}
+    whole = scopedckpt.plan(model, budget=1.0, example_kwargs=batch)
+    assert [b.name for b in whole.blocks] == ["transformer.h.0", "transformer.h.1"]
+    plan = scopedckpt.plan(model, budget=whole.smallest_budget, example_kwargs=batch)
+    regions = sum(b.choice != "none" for b in plan.blocks)
+    assert regions
+    before = COUNTERS.regions
+    with scopedckpt.checkpointing(plan):
+        got, rng = train(model, tmp_path)
+    assert COUNTERS.regions - before == STEPS * regions
+    assert_bitwise(got, plain[0])
+    assert torch.equal(rng, plain[1])

@@ -20,7 +20,9 @@ Each family is checked three ways:
   comparison passes, so a failure of the first test is the model's randomness or
   buffers, never the wrapper, the inputs or the targets.
 
-``test_selective_saving_is_exact`` checks ``save=`` (docs/selective.md) on each family.
+``test_selective_saving_is_exact`` checks ``save=`` (docs/selective.md) on each family, and
+``test_plans_train_exactly`` ``scopedckpt.plan`` (docs/memory-budget.md) at 25 %, 50 % and
+100 % of the peak without checkpointing (or the smallest feasible budget, if higher).
 
 Families skip when their package is missing (``pip install -e '.[real]'``); the
 builders live in benchmarks/real_families.py, how timm is imported without torchvision in
@@ -85,6 +87,31 @@ def test_selective_saving_is_exact(family: str, policy: str) -> None:
         steps=2,
         loss_fn=built.loss_fn,
         save=save,
+    )
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_plans_train_exactly(family: str, fraction: float) -> None:
+    """A plan over the family's blocks, as shipped, trains bit for bit as without."""
+    built = FAMILIES[family]()
+    built.model.train()
+    blocks = built.targets
+    whole = scopedckpt.plan(
+        built.model, *built.inputs, budget=1.0, blocks=blocks, loss_fn=built.loss_fn
+    )
+    budget = max(int(fraction * whole.no_checkpoint_peak), whole.smallest_budget)
+    plan = scopedckpt.plan(
+        built.model, *built.inputs, budget=budget, blocks=blocks, loss_fn=built.loss_fn
+    )
+    assert plan.peak <= budget
+    assert_checkpoint_equivalent(
+        built.model,
+        *built.inputs,
+        targets=(plan,),
+        steps=2,
+        loss_fn=built.loss_fn,
+        require_regions=any(b.choice != "none" for b in plan.blocks),
     )
 
 

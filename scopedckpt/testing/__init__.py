@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from .._engine import COUNTERS
+from .._plan import Plan
 from .._sampling import suspended
 from .._scope import Target, checkpointing
 
@@ -201,7 +202,8 @@ def assert_checkpoint_equivalent(
     targets
         What ``checkpointing`` selects; ``None`` selects each direct child of
         ``model`` (or ``model`` itself if it has none). ``()`` selects nothing,
-        for models whose code calls :func:`scopedckpt.checkpoint` itself.
+        for models whose code calls :func:`scopedckpt.checkpoint` itself. A
+        :class:`scopedckpt.Plan` of ``model`` is bound to the copy.
     steps
         Training steps to run and compare.
     seed
@@ -291,7 +293,9 @@ def _retarget(targets: Sequence[Any], original: nn.Module, copied: nn.Module) ->
     copied_modules = dict(copied.named_modules())
     result: list[Any] = []
     for target in targets:
-        if isinstance(target, nn.Module):
+        if isinstance(target, Plan):
+            result.append(target.bind(copied))
+        elif isinstance(target, nn.Module):
             if id(target) not in by_id:
                 raise ValueError(
                     f"scopedckpt: target {type(target).__name__} is not a submodule of the "

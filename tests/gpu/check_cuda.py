@@ -7,7 +7,9 @@ formulations give the same bits and float32/float64 kept values equal
 another thread, exactness of eager training with regions (converted and not,
 with unscoped ``F.dropout`` and ``torch.rand_like`` in the blocks, plain and
 ``retain_graph`` backward), and that compiled training with scopedckpt's
-regions lands where compiled training with torch's checkpoint does. It prints
+regions lands where compiled training with torch's checkpoint does, and that a
+``scopedckpt.plan()`` at half the peak trains exactly and keeps its predicted peak
+(``torch.cuda.max_memory_allocated`` within 10 %). It prints
 what it only reports: float16/bfloat16 kept values against torch's fused CUDA
 dropout, and compiled checkpointing against compiled training without it.
 Exit status 0 when every check passed.
@@ -220,6 +222,29 @@ def compiled():
             assert not same(ours, torchs), same(ours, torchs)
 
 
+def planned():
+    """A plan at half the peak: exact, and its predicted peak is what CUDA allocates."""
+    m = model(convert=False)
+    x = torch.randn(512, 64, device=dev)
+    loss = lambda y: y.square().mean()  # noqa: E731
+    plan = scopedckpt.plan(m, x, budget=0.5, blocks=list(m), loss_fn=loss)
+    print(plan)
+    assert_checkpoint_equivalent(m, x, targets=(plan,), steps=2, loss_fn=loss)
+    for _ in range(2):  # the second step: first-step transients aside
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with scopedckpt.checkpointing(plan):
+            y = loss(m(x))
+        y.backward()
+        del y
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated() - before
+        m.zero_grad(set_to_none=True)
+    print("plan peak predicted", plan.peak, "measured (max_memory_allocated)", measured)
+    assert abs(measured - plan.peak) <= 0.10 * plan.peak, (measured, plan.peak)
+
+
 def main() -> int:
     print("torch", torch.__version__, "cuda", torch.cuda.is_available())
     check("mask bits on cuda", mask_bits)
@@ -237,6 +262,7 @@ def main() -> int:
                 lambda c=convert, b=backward: exact(c, b),
             )
     check("compiled on cuda: scopedckpt lands where torch's checkpoint does", compiled)
+    check("a plan at half the peak: exact, its peak as predicted", planned)
     print("failures", failures)
     return 1 if failures else 0
 
