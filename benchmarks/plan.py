@@ -4,6 +4,7 @@ Run by hand from the repository root (not part of the test suite)::
 
     python -m benchmarks.run --plan [--quick]
     python -m benchmarks.plan --solver      # the solver's time alone, into results/plan.json
+    python -m benchmarks.plan --device=cuda # on a GPU: results/plan_cuda.json and .png
 
 For each model, every strategy is one point (peak bytes of a step, step time):
 
@@ -34,6 +35,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -112,7 +114,7 @@ def _resnet() -> Subject:
     blocks = [
         b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer
     ]
-    return Subject(model, (x,), lambda y: F.cross_entropy(y, labels), blocks)
+    return Subject(model, (x,), lambda y: F.cross_entropy(y, labels.to(y.device)), blocks)
 
 
 SUBJECTS: dict[str, Callable[[], Subject]] = {
@@ -152,16 +154,35 @@ def torch_every(blocks: list[nn.Module], k: int, sac: bool) -> Iterator[None]:
             del block.forward
 
 
+def on(subject: Subject, device: torch.device) -> Subject:
+    """``subject`` with its models and inputs moved to ``device``."""
+    inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in subject.inputs)
+    planned = subject.planned.to(device) if subject.planned is not None else None
+    return Subject(subject.model.to(device), inputs, subject.loss_fn, subject.blocks, planned)
+
+
+def _cuda(model: nn.Module) -> bool:
+    return next(model.parameters()).device.type == "cuda"
+
+
 def _step(model: nn.Module, subject: Subject, scope: Callable[[], Any]) -> None:
     with scope():
         loss = subject.loss_fn(model(*subject.inputs))
     loss.backward()
     for p in model.parameters():
         p.grad = None
+    if _cuda(model):
+        torch.cuda.synchronize()  # so that wall time measures the step
 
 
 def _peak(model: nn.Module, subject: Subject, scope: Callable[[], Any]) -> int:
+    """Bytes a step adds at its peak: LiveBytes on CPU, the allocator's count on CUDA."""
     _step(model, subject, scope)  # first-step transients aside
+    if _cuda(model):
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        _step(model, subject, scope)
+        return torch.cuda.max_memory_allocated() - before
     with LiveBytes() as counter:
         _step(model, subject, scope)
     return counter.peak
@@ -301,8 +322,8 @@ def dominated(points: list[dict[str, Any]]) -> list[list[str]]:
     return pairs
 
 
-def plot(rows: list[dict[str, Any]]) -> None:
-    """results/plan.png: each model's points, plans as a curve."""
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """``path`` (results/plan.png): each model's points, plans as a curve."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -333,13 +354,17 @@ def plot(rows: list[dict[str, Any]]) -> None:
     for ax in list(axes.flat)[len(rows) :]:
         ax.axis("off")
     fig.tight_layout()
-    fig.savefig(RESULTS / "plan.png", dpi=90)
+    fig.savefig(path, dpi=90)
 
 
-def main(quick: bool, solver_only: bool = False) -> None:
+def main(quick: bool, solver_only: bool = False, device: str = "cpu", out: Path = RESULTS) -> None:
     """Measure every subject (``--quick``: two, fewer rounds) and write the results;
-    ``solver_only``: measure the solver alone into the existing results."""
+    ``solver_only``: measure the solver alone into the existing results; on a CUDA
+    ``device`` peaks are ``max_memory_allocated``'s and the files ``plan_cuda.*`` in
+    ``out`` (tests/gpu/check_cuda.py runs it there)."""
     torch.set_num_threads(THREADS)
+    where = torch.device(device)
+    stem = "plan" if where.type == "cpu" else f"plan_{where.type}"
     if solver_only:
         path = RESULTS / "plan.json"
         results = json.loads(path.read_text())
@@ -352,7 +377,7 @@ def main(quick: bool, solver_only: bool = False) -> None:
         if quick and name not in QUICK:
             continue
         try:
-            subject = build()
+            subject = on(build(), where)
         except UnavailableError as error:
             skipped[name] = str(error)
             continue
@@ -367,6 +392,7 @@ def main(quick: bool, solver_only: bool = False) -> None:
     results = {
         "rows": rows,
         "solver_200_blocks_s": solver_seconds(),
+        "device": str(where),
         "skipped": skipped,
         "threads": THREADS,
         "rounds": rounds,
@@ -374,10 +400,10 @@ def main(quick: bool, solver_only: bool = False) -> None:
         "quick": quick,
         "torch": torch.__version__,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "plan.json").write_text(json.dumps(results, indent=2) + "\n")
+    out.mkdir(exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     try:
-        plot(rows)
+        plot(rows, out / f"{stem}.png")
     except ImportError:
         print("matplotlib is not installed: no plot")
 
@@ -385,4 +411,5 @@ def main(quick: bool, solver_only: bool = False) -> None:
 if __name__ == "__main__":
     import sys
 
-    main("--quick" in sys.argv, solver_only="--solver" in sys.argv)
+    device = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--device=")), "cpu")
+    main("--quick" in sys.argv, solver_only="--solver" in sys.argv, device=device)

@@ -54,8 +54,10 @@ class Plan:
     >>> import torch, scopedckpt
     >>> model = torch.nn.Sequential(*[torch.nn.Sequential(
     ...     torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(4)])
-    >>> x = torch.randn(32, 64)
-    >>> plan = scopedckpt.plan(model, x, budget=0.6)
+    >>> x = torch.randn(512, 64)
+    >>> plan = scopedckpt.plan(model, x, budget=0.75)
+    >>> plan.peak <= plan.budget
+    True
     >>> with scopedckpt.checkpointing(plan):
     ...     loss = model(x).sum()
     >>> loss.backward()

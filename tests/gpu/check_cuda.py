@@ -9,16 +9,21 @@ with unscoped ``F.dropout`` and ``torch.rand_like`` in the blocks, plain and
 ``retain_graph`` backward), and that compiled training with scopedckpt's
 regions lands where compiled training with torch's checkpoint does, and that a
 ``scopedckpt.plan()`` at half the peak trains exactly and keeps its predicted peak
-(``torch.cuda.max_memory_allocated`` within 10 %). It prints
+(``torch.cuda.max_memory_allocated`` within 10 %), also across the planner's quick
+benchmark (``benchmarks/plan.py``, results in $OUT). It prints
 what it only reports: float16/bfloat16 kept values against torch's fused CUDA
 dropout, and compiled checkpointing against compiled training without it.
 Exit status 0 when every check passed.
 """
 
+import json
+import os
+import subprocess
 import sys
 import threading
 import traceback
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -245,6 +250,23 @@ def planned():
     assert abs(measured - plan.peak) <= 0.10 * plan.peak, (measured, plan.peak)
 
 
+def plan_benchmark():
+    """``python -m benchmarks.plan --quick --device=cuda``: the planner's benchmark with
+    ``max_memory_allocated`` peaks; every plan's peak within 10 % of its prediction.
+    Results go to $OUT if set (the device tool brings them back), else benchmarks/results."""
+    root = Path(__file__).resolve().parents[2]
+    out = Path(os.environ.get("OUT", root / "benchmarks" / "results"))
+    code = (
+        "from pathlib import Path; from benchmarks import plan; "
+        f"plan.main(quick=True, device='cuda', out=Path({str(out)!r}))"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True)
+    rows = json.loads((out / "plan_cuda.json").read_text())["rows"]
+    for row in rows:
+        print(row["model"], "worst peak error", row["worst_peak_error"], row["plan_vs_torch"])
+        assert row["worst_peak_error"] <= 0.10, row["model"]
+
+
 def main() -> int:
     print("torch", torch.__version__, "cuda", torch.cuda.is_available())
     check("mask bits on cuda", mask_bits)
@@ -263,6 +285,7 @@ def main() -> int:
             )
     check("compiled on cuda: scopedckpt lands where torch's checkpoint does", compiled)
     check("a plan at half the peak: exact, its peak as predicted", planned)
+    check("the planner's benchmark on cuda: peaks as predicted", plan_benchmark)
     print("failures", failures)
     return 1 if failures else 0
 
