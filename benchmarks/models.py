@@ -165,7 +165,8 @@ def build(kind: str, depth: int, config: str) -> tuple[Blocks, torch.Tensor]:
     return model, x
 
 
-def _clear_grads(model: nn.Module) -> None:
+def clear_grads(model: nn.Module) -> None:
+    """Every parameter's gradient to None, as ``zero_grad()`` leaves them."""
     for p in model.parameters():
         p.grad = None
 
@@ -175,13 +176,13 @@ def step(model: Blocks, x: torch.Tensor) -> None:
     with scopedckpt.checkpointing(enabled=model.mode in CHECKPOINTED_BY_SCOPEDCKPT):
         loss = model(x).square().mean()
     loss.backward()
-    _clear_grads(model)
+    clear_grads(model)
 
 
 def plain_step(model: Blocks, x: torch.Tensor) -> None:
     """One training step with no scopedckpt code at all (torch's checkpoint in mode b)."""
     model(x).square().mean().backward()
-    _clear_grads(model)
+    clear_grads(model)
 
 
 def region_step(model: Blocks, x: torch.Tensor) -> None:
@@ -190,7 +191,7 @@ def region_step(model: Blocks, x: torch.Tensor) -> None:
     with scopedckpt.checkpointing(model.blocks):
         loss = model(x).square().mean()
     loss.backward()
-    _clear_grads(model)
+    clear_grads(model)
 
 
 def saved_bytes(model: Blocks, x: torch.Tensor) -> int:

@@ -49,7 +49,7 @@ from scopedckpt import policies
 from . import RESULTS, THREADS, models
 from .internals import LiveBytes, choose, profile_step, solve
 from .real_imports import UnavailableError, import_timm, import_transformers
-from .timing import INTERVAL_METHOD, interleaved_rounds, paired
+from .timing import interleaved_rounds, paired, save_paired_results
 
 
 @dataclass
@@ -169,8 +169,7 @@ def _step(model: nn.Module, subject: Subject, scope: Callable[[], Any]) -> None:
     with scope():
         loss = subject.loss_fn(model(*subject.inputs))
     loss.backward()
-    for p in model.parameters():
-        p.grad = None
+    models.clear_grads(model)
     if _cuda(model):
         torch.cuda.synchronize()  # so that wall time measures the step
 
@@ -389,19 +388,13 @@ def main(quick: bool, solver_only: bool = False, device: str = "cpu", out: Path 
             f"dominated {row['dominated']}",
             flush=True,
         )
-    results = {
-        "rows": rows,
+    extra = {
         "solver_200_blocks_s": solver_seconds(),
         "device": str(where),
         "skipped": skipped,
-        "threads": THREADS,
         "rounds": rounds,
-        "interval": INTERVAL_METHOD,
-        "quick": quick,
-        "torch": torch.__version__,
     }
-    out.mkdir(exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    save_paired_results(stem, rows, THREADS, quick, extra, out)
     try:
         plot(rows, out / f"{stem}.png")
     except ImportError:

@@ -15,6 +15,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,17 +103,24 @@ def paired(
 
 
 def save_paired_results(
-    name: str, rows: list[dict[str, Any]], threads: int, quick: bool
+    name: str,
+    rows: list[dict[str, Any]],
+    threads: int,
+    quick: bool,
+    extra: dict[str, Any] | None = None,
+    directory: Path = RESULTS,
 ) -> dict[str, object]:
-    """Write ``results/<name>.json`` for a section of paired ratios: its rows, the torch
-    threads, the interval method, whether it was a quick run and the torch version."""
+    """Write ``<directory>/<name>.json`` (``results/`` by default) for a section of paired
+    ratios: its rows, ``extra``'s keys, the torch threads, the interval method, whether it
+    was a quick run and the torch version."""
     results: dict[str, object] = {
         "rows": rows,
+        **(extra or {}),
         "threads": threads,
         "interval": INTERVAL_METHOD,
         "quick": quick,
         "torch": torch.__version__,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    directory.mkdir(exist_ok=True)
+    (directory / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
     return results

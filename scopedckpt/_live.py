@@ -12,8 +12,9 @@ the thread that runs it), and counts each new storage an op returns by its
 ``nbytes`` until the storage is freed: torch keeps one Python object per live
 storage, so a weak reference to it dies exactly when the storage does. Views
 and in-place results (ops whose schema returns an alias of an argument) share
-their argument's storage and add nothing: a view of a parameter is the
-parameter. What no op
+their argument's storage and add nothing (a view of a parameter is the
+parameter), except that an op writing into a counted tensor may have enlarged
+its storage (``out=`` ops, ``resize_``), which counts the growth. What no op
 creates (tensors made before the mode, parameters, the allocator's rounding
 and caching) is not counted: it is the model's resting state, or the
 allocator's business.
@@ -132,18 +133,21 @@ class LiveBytes(TorchDispatchMode):
         aliasing = self._aliasing.get(func)
         if aliasing is None:
             aliasing = self._aliasing[func] = op_schema_facts(func)[1]
-        if not aliasing:  # a view or an in-place result: its argument's storage
-            for storage in storages(out):
-                self._count(storage)
+        for storage in storages(out):
+            # A view or an in-place result is its argument's storage: nothing new, but a
+            # counted one may have grown (out= ops, resize_).
+            self._count(storage, new=not aliasing)
         if self.observe is not None:
             self.observe(func, out, seconds)
         return out
 
-    def _count(self, storage: torch.UntypedStorage) -> None:
+    def _count(self, storage: torch.UntypedStorage, new: bool) -> None:
         key = id(storage)
         nbytes = storage.nbytes()
         with self._lock:
             entry = self._counted.get(key)
+            if entry is None and not new:
+                return
             if entry is not None:
                 grown = nbytes - entry[1]  # resized in place (out= ops, resize_)
                 if grown <= 0:

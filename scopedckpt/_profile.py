@@ -54,6 +54,8 @@ from . import policies
 from ._errors import ScopedCkptError
 from ._live import OUTSIDE, LiveBytes, storages
 from ._policy import SavePolicy, as_policy
+from ._report import memory_report
+from ._sampling import suspended
 from ._step_times import region_costs, synchronize
 from ._untouched import Untouched
 
@@ -87,7 +89,6 @@ class BlockProfile:
     name: str
     module: nn.Module
     choices: tuple[Choice, ...]
-    forward_seconds: float
 
 
 @dataclass(frozen=True)
@@ -146,15 +147,15 @@ class _Instrumented:
         self.start = 0
         self.growth: dict[int, int] = {}
         self.out: dict[int, dict[int, int]] = {}  # position -> serial -> bytes
-        self.backward_live: dict[int, int] = {}
+        self.backward_started: set[int] = set()
         self.backward_block: int | None = None  # the block whose backward runs
         self.backward_peak: dict[int, int] = {}  # its most bytes live, recompute included
         self.ops: dict[int, int] = {}
         self.op_seconds: dict[int, float] = {}
         self.presets: dict[str, SavePolicy] = {}
-        for name, items in PRESETS.items():
-            policy = as_policy(items) if presets else None
-            if policy is not None:
+        for name, items in PRESETS.items() if presets else ():
+            policy = as_policy(items)
+            if policy is not None:  # None: an empty preset (no fused attention kernels)
                 self.presets[name] = policy
         self.selecting: dict[Any, tuple[str, ...]] = {}  # op -> the presets selecting it
         self.preset_seconds: dict[tuple[str, int], float] = {}
@@ -250,10 +251,10 @@ class _Instrumented:
 
     def _backward_hook(self, k: int) -> Callable[[torch.Tensor], None]:
         def started(grad: torch.Tensor) -> None:
-            if k not in self.backward_live:
+            if k not in self.backward_started:
                 self.close(k)
                 self.backward_block = k
-                self.backward_live[k] = self.counter.live
+                self.backward_started.add(k)
 
         return started
 
@@ -268,9 +269,7 @@ def profile_step(
     """Run two counted steps of ``model``, one without checkpointing and one with every
     block a full region, leaving no trace (NOTE [ leaving no trace ]), and return what
     the planner needs (NOTE [ peak model ], NOTE [ timing regions ])."""
-    from ._report import memory_report  # these import the planner's module
-    from ._sampling import suspended
-    from ._scope import checkpointing
+    from ._scope import checkpointing  # the scope module imports the planner's
 
     began = time.perf_counter()
     inputs = tuple(_tensors((args, kwargs)))
@@ -295,7 +294,7 @@ def profile_step(
         finally:
             for handle in handles:
                 handle.remove()
-            _clear_grads(model, inputs)
+            untouched.clear_grads()
 
     device = _device_of(model)
     with Untouched(model, inputs) as untouched:
@@ -347,7 +346,7 @@ def profile_step(
                 # What the preset keeps is not rebuilt (counted op by op, unregioned).
                 spared = tally.growth[k] - tally.preset_growth.get((preset, k), tally.growth[k])
                 choices.append(Choice(preset, kept_full[k] + extra, cost, rebuild - spared))
-        profiled.append(BlockProfile(name, module, tuple(choices), seconds))
+        profiled.append(BlockProfile(name, module, tuple(choices)))
     unused = tuple(name for i, (name, _) in enumerate(blocks) if i not in tally.position)
     return Profile(
         tuple(profiled),
@@ -357,14 +356,6 @@ def profile_step(
         unused,
         time.perf_counter() - began,
     )
-
-
-def _clear_grads(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
-    for p in model.parameters():
-        p.grad = None
-    for tensor in inputs:
-        if tensor.is_leaf:
-            tensor.grad = None
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -60,6 +60,7 @@ class Untouched:
         self._slots: list[tuple[dict[str, Any], str, Any]] = []
         self._versions: dict[int, tuple[torch.Tensor, int, str]] = {}
         self._clones: dict[int, torch.Tensor] = {}
+        self._leaves: list[torch.Tensor] = []  # parameters, and inputs that take grads
         self._grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._parameter_storages: dict[int, tuple[torch.Tensor, str]] = {}
         self._generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
@@ -83,14 +84,18 @@ class Untouched:
                     else:
                         key = id(tensor.untyped_storage())
                         self._parameter_storages[key] = (tensor, qualified)
-        leaves: list[torch.Tensor] = list(self.model.parameters())
-        leaves += [t for t in self.inputs if t.is_leaf and t.requires_grad]
-        for tensor in leaves:
-            self._grads.append((tensor, tensor.grad))
-            tensor.grad = None
+        self._leaves = [*self.model.parameters()]
+        self._leaves += [t for t in self.inputs if t.is_leaf and t.requires_grad]
+        self._grads = [(tensor, tensor.grad) for tensor in self._leaves]
+        self.clear_grads()
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         self._rng = (torch.get_rng_state(), cuda)
         return self
+
+    def clear_grads(self) -> None:
+        """Gradients to None, as a step after ``zero_grad()`` finds them (put back on exit)."""
+        for tensor in self._leaves:
+            tensor.grad = None
 
     def before_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Keep what ``func`` is about to change: a parameter it writes in place, the

@@ -412,6 +412,10 @@ def test_live_bytes_count_new_storages_until_freed_and_not_views() -> None:
         assert counter.live == 64 * 64 * 4  # the view keeps the storage
         del view
         assert counter.live == 0
+        grown = torch.empty(0)
+        torch.exp(weight, out=grown)  # an out= op enlarges a counted storage
+        assert counter.live == 64 * 64 * 4
+        del grown
     assert counter.peak == 64 * 64 * 4
     del transposed
 
