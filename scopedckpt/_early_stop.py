@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from ._sampling import site_of
-from ._subtree import subtree
+from ._subtree import Listing
 
 __all__ = ["full_recompute", "late_write_found"]
 
@@ -42,11 +42,11 @@ class _Found:
     sites: ClassVar[dict[int, Any]] = {}
 
 
-def full_recompute(module: nn.Module | None, fn: object) -> bool:
-    """Whether a region running ``module`` (or ``fn``) must recompute whole (NOTE [ late
-    writes ])."""
-    if module is not None:
-        late = subtree(module).late
+def full_recompute(listing: Listing | None, module: nn.Module | None, fn: object) -> bool:
+    """Whether a region running ``module`` (whose subtree ``listing`` is) or ``fn`` must
+    recompute whole (NOTE [ late writes ])."""
+    if listing is not None:
+        late = listing.late
         if late and any((layer := ref()) is not None and layer.training for ref in late):
             return True
     sites = _Found.sites

@@ -26,6 +26,7 @@ from ._options import DEFAULT_OPTIONS, RegionOptions
 from ._policy import as_policy
 from ._sampling import sampled_check
 from ._state import FORWARD, FRAME, RECOMPUTE, SCOPE, Frame, Phase, Record, RegionCall, Scope, Tape
+from ._subtree import Listing, subtree
 
 __all__ = ["region_context_fn", "region_module"]
 
@@ -170,6 +171,7 @@ def region_context_fn(
     kwargs: dict[str, Any],
     options: RegionOptions,
     module: torch.nn.Module | None,
+    listing: Listing | None = None,
 ) -> tuple[Callable[..., Any], ContextFn]:
     """Set up one region: the ``fn`` and ``context_fn`` to hand to torch's checkpoint.
 
@@ -177,7 +179,7 @@ def region_context_fn(
     under ``patch_torch_checkpoint`` included. The caller's ``options.context_fn`` is
     entered inside ours; ``options.save`` overrides the scope's policy (NOTE
     [ selective saving ]); ``module`` is the module the region runs
-    (:func:`region_module`).
+    (:func:`region_module`), ``listing`` its subtree's listing where the caller has it.
     """
     parent = FRAME.get()
     # A function is no identity: lambdas and bound methods are new objects at
@@ -202,6 +204,7 @@ def region_context_fn(
             options.determinism_check,
             module,
             fn,
+            listing if listing is not None or module is None else subtree(module),
         )
         acting, bit = 0, 1
         for mechanism in _mechanisms.MECHANISMS:
@@ -282,14 +285,17 @@ def _region(
         label = owner if owner is not None else fn
     options = options.in_scope(scope.determinism_check)
     module = region_module(owner, fn)
-    if options.early_stop and full_recompute(module, fn):
+    listing = None if module is None else subtree(module)
+    if options.early_stop and full_recompute(listing, module, fn):
         options = dataclasses.replace(options, early_stop=False)  # NOTE [ late writes ]
     debug = _torch_private.checkpoint_debug_enabled(options.debug)
     if not debug:  # torch's debug mode explains its own check's failures
         check = sampled_check(options.determinism_check, module, fn)
         if check is not options.determinism_check:  # NOTE [ sampled verification ]
             options = dataclasses.replace(options, determinism_check=check)
-    fn, contexts = region_context_fn(fn, owner, label, scope, args, kwargs, options, module)
+    fn, contexts = region_context_fn(
+        fn, owner, label, scope, args, kwargs, options, module, listing
+    )
     keywords = options.eager_keywords
     token = OWN_CALL.set(True)
     try:

@@ -1,5 +1,6 @@
-"""Explicit generators (``generator=g``) used in regions: found by verified first forwards,
-stashed at every region of their site, replayed by recomputes; a region mechanism.
+"""Explicit generators (``generator=g``) used in regions: found where the region can reach
+them and by verified first forwards, stashed at every region, replayed by recomputes; a
+region mechanism.
 
 NOTE [ explicit generators ]
 ============================
@@ -9,28 +10,38 @@ generator=g)``, ``x.uniform_(generator=g)``) draws from a stream no stash knows
 of: the recompute draws again, from where the first forward left ``g``, so it
 computes from other random numbers, and after backward ``g`` has advanced twice
 (issue 25, hole 6). Nothing global lists a process's generators, and watching
-every op of every region for a ``generator=`` argument would cost every region.
-So:
+every op of every region for a ``generator=`` argument would cost every region a
+Python call per torch call (a ``TorchFunctionMode``). So a region stashes, when it
+starts (before any use, as the default generators are stashed):
 
-* a *verified* first forward (``determinism_check="bitwise"``: by default the
-  first call of each region site and every 64th, NOTE [ sampled verification ])
-  runs under a ``TorchFunctionMode`` that looks at each torch call's arguments
-  for a non-default generator; at its first use in the region it stashes the
-  generator's state on the tape and remembers the generator for the region's
-  site (weakly);
-* every region of a site with remembered generators stashes their states when
-  it starts (before any use, as the default ones are);
-* every recompute sets the stashed states, runs, and puts back the states it
-  found; a region nested in another and replayed inside its recompute does
-  not put them back (the outer recompute's later draws must see the stream
-  advanced past it), as for the default generators.
+* the generators it can reach without running (:func:`reachable`): its
+  arguments; its function's partial arguments and closure cells; the globals
+  its function's code reads; and, for the module it runs and every module
+  among those, each attribute of a module in its subtree and each global a
+  subtree module's ``forward`` reads (listed with the subtree, ``_subtree.py``,
+  and looked up again at every region, so a reassigned attribute is the new
+  generator);
+* the generators verified first forwards of its site were seen to use: a
+  *verified* first forward (``determinism_check="bitwise"``: by default the
+  first call of each region site and every 64th, NOTE [ sampled
+  verification ]) runs under a ``TorchFunctionMode`` that looks at each torch
+  call's arguments for a non-default generator, stashes it at its first use
+  and remembers it for the site (weakly).
 
-So a generator a region uses at every call is replayed from the first step. A
-generator first used on a call that is not verified (a new one, or a branch the
-site's verified calls never took) is not seen until the next verified call of
-the site; that call's verification raises where its draws reach a saved tensor.
-Scoped layers given ``generator=`` record their seeds and draw nothing in
-recomputes: stashing their generator too changes nothing.
+Every recompute sets the stashed states, runs, and puts back the states it
+found; a region nested in another and replayed inside its recompute does not
+put them back (the outer recompute's later draws must see the stream advanced
+past it), as for the default generators.
+
+So a generator a region can reach is replayed from its first use, verified
+or not, and one it uses at every call from the first step. The limit: a
+generator reached only through something else (an element of a list, an
+attribute of an object that is not a module, a global read by a helper
+function rather than by a forward), and first used on a call that is not
+verified, is not seen until the next verified call of the site; that call's
+verification raises where its draws reach a saved tensor. Scoped layers given
+``generator=`` record their seeds and draw nothing in recomputes: stashing
+their generator too changes nothing.
 
 Compiled code run by a watched region: dynamo compiles it for the torch function
 modes in force, so the watch lets every call through unseen while dynamo traces
@@ -44,17 +55,19 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ._sampling import site_of
 from ._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape
+from ._subtree import Listing, global_generators_of, subtree
 
-__all__ = ["FRAME_PHASES", "Generators", "Stash", "enter_frame", "start_region"]
+__all__ = ["FRAME_PHASES", "Generators", "Stash", "enter_frame", "reachable", "start_region"]
 
 FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
 
@@ -111,10 +124,101 @@ def _remember(call: RegionCall, generator: torch.Generator) -> None:
         entry[1].append(weakref.ref(generator))
 
 
+def _function_places(fn: object) -> list[object]:
+    """What a region's function carries that may be a generator: a partial's arguments, a
+    closure's cells, and the generators its code reads as globals (NOTE [ explicit
+    generators ])."""
+    places: list[object] = []
+    if isinstance(fn, nn.Module):  # its subtree's listing covers its forward
+        return places
+    if isinstance(fn, functools.partial):
+        places.extend(fn.args)
+        places.extend(fn.keywords.values())
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return places
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            places.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    read = _Globals.by_code.get(code)
+    if read is None:
+        if len(_Globals.by_code) >= 4096:
+            _Globals.by_code.clear()
+        read = _Globals.by_code[code] = global_generators_of(fn)
+    places.extend(namespace.get(name) for namespace, name in read)
+    return places
+
+
+class _Globals:
+    """The global generators each region function's code reads, by code object."""
+
+    by_code: ClassVar[dict[Any, tuple[tuple[dict[str, Any], str], ...]]] = {}
+
+
+def reachable(call: RegionCall) -> list[torch.Generator]:
+    """The generators the region can reach without running: its arguments, its function's
+    partial arguments and closure, the globals its code reads, and for each module among
+    these (and the module it runs) the attributes of the modules in its subtree and the
+    globals their forwards read (NOTE [ explicit generators ])."""
+    found: list[torch.Generator] = []
+    module = call.module
+    if module is not None:
+        listing = call.listing if call.listing is not None else subtree(module)
+        if listing.generators or listing.global_generators:
+            _listed(listing, found)
+    _scan(call.args, module, found)
+    if call.kwargs:
+        _scan(call.kwargs.values(), module, found)
+    fn = call.fn
+    if fn is not module:
+        _scan(_function_places(fn), module, found)
+    if found:
+        defaults = _defaults()
+        found = [g for g in found if id(g) not in defaults]
+    return found
+
+
+def _add(found: list[torch.Generator], generator: torch.Generator) -> None:
+    if all(g is not generator for g in found):
+        found.append(generator)
+
+
+def _scan(places: Iterable[object], module: nn.Module | None, found: list[torch.Generator]) -> None:
+    """Add the generators among ``places``, and those the modules among them reach."""
+    for place in places:
+        kind = type(place)
+        if kind is torch.Tensor:
+            continue
+        if kind is torch.Generator:
+            _add(found, place)  # type: ignore[arg-type]
+        elif isinstance(place, nn.Module) and place is not module:
+            _listed(subtree(place), found)
+
+
+def _listed(listing: Listing, found: list[torch.Generator]) -> None:
+    """Add the generators a subtree's listing says where to find."""
+    for holder_ref, name in listing.generators:
+        holder = holder_ref()
+        value = None if holder is None else vars(holder).get(name)
+        if type(value) is torch.Generator:
+            _add(found, value)
+    for namespace, name in listing.global_generators:
+        value = namespace.get(name)
+        if type(value) is torch.Generator:
+            _add(found, value)
+
+
 def start_region(tape: Tape, call: RegionCall) -> bool:
-    """Stash the generators remembered for the region's site; acts where there are some,
-    or where the first forward is verified (and watched)."""
-    known = _known(call)
+    """Stash the generators the region can reach or its site was seen to use; acts where
+    there are some, or where the first forward is verified (and watched)."""
+    known = reachable(call)
+    for generator in _known(call):
+        if all(g is not generator for g in known):
+            known.append(generator)
     watched = call.determinism_check == "bitwise"
     if not known and not watched:
         return False

@@ -146,6 +146,7 @@ class RegionCall:
     # method or partial (engine.region_module).
     module: nn.Module | None = None
     fn: object = None  # the function the region runs
+    listing: Listing | None = None  # module's subtree (_subtree.subtree), looked up once
 
 
 @dataclass(slots=True)

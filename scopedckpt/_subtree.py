@@ -1,7 +1,7 @@
 """The tensors and layers of a module's subtree, listed once per module.
 
 Region mechanisms that look at a region's whole module subtree at every region
-(``_written``, ``_early_stop``) read it here: listing a subtree walks every
+(``_written``, ``_early_stop``, ``_generators``) read it here: listing a subtree walks every
 submodule, and regions start at every step. A listing is made again when any
 module registers a parameter, buffer or submodule (torch's global registration
 hooks, installed at the first listing), or when the module at that id is
@@ -29,6 +29,7 @@ __all__ = [
     "LATE_WRITERS",
     "Listing",
     "current_parameters",
+    "global_generators_of",
     "may_write_parameters",
     "subtree",
 ]
@@ -56,6 +57,11 @@ class Listing:
     # guard guards when called (scoped batch norm keeps its own)
     buffers: tuple[tuple[str, weakref.ref[nn.Module], str], ...]
     late: tuple[weakref.ref[nn.Module], ...]  # its LATE_WRITERS layers
+    # _generators: where the subtree holds a torch.Generator: (module, attribute name) of
+    # each module attribute that was one, and (namespace, name) of each global name a
+    # module's forward reads that was one (looked up at each use: they may be reassigned)
+    generators: tuple[tuple[weakref.ref[nn.Module], str], ...]
+    global_generators: tuple[tuple[dict[str, Any], str], ...]
     # _written: the buffers (module's qualified name, buffer name) and parameters (indices)
     # regions over this module were seen to write, and whether they still copy all of
     # them (until one is recomputed)
@@ -122,6 +128,19 @@ def may_write_parameters(module: nn.Module) -> bool:
     return getattr(module, "max_norm", None) is not None or isinstance(module, nn.RNNBase)
 
 
+def global_generators_of(function: object) -> tuple[tuple[dict[str, Any], str], ...]:
+    """The global names ``function``'s own code reads that hold a ``torch.Generator``
+    (as (its globals, name)): how a forward reaches a module-level generator."""
+    function = getattr(function, "__func__", function)
+    code = getattr(function, "__code__", None)
+    namespace = getattr(function, "__globals__", None)
+    if code is None or namespace is None:
+        return ()
+    return tuple(
+        (namespace, name) for name in code.co_names if type(namespace.get(name)) is torch.Generator
+    )
+
+
 def subtree(owner: nn.Module) -> Listing:
     """The listing of ``owner``'s subtree, made again when any module registered anything."""
     if not _Listing.installed:
@@ -157,11 +176,32 @@ def subtree(owner: nn.Module) -> Listing:
         if b is not None
     )
     late = tuple(weak[id(m)] for _, m in modules if isinstance(m, LATE_WRITERS))
+    generators = tuple(
+        (weak[id(module)], name)
+        for _, module in modules
+        for name, value in vars(module).items()
+        if type(value) is torch.Generator
+    )
+    global_generators = tuple(
+        {
+            (id(namespace), name): (namespace, name)
+            for cls in {type(m) for _, m in modules}
+            for namespace, name in global_generators_of(cls.forward)
+        }.values()
+    )
     if len(_Listing.by_owner) >= 4096:
         _Listing.by_owner.clear()
     forget = functools.partial(_forget, id(owner))
     listing = Listing(
-        weakref.ref(owner, forget), _Listing.generation, parameters, slots, writable, buffers, late
+        weakref.ref(owner, forget),
+        _Listing.generation,
+        parameters,
+        slots,
+        writable,
+        buffers,
+        late,
+        generators,
+        global_generators,
     )
     _Listing.by_owner[id(owner)] = listing
     return listing

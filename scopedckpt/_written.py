@@ -114,7 +114,7 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
     module = call.module
     if module is None:
         return False
-    listing = subtree(module)
+    listing = call.listing if call.listing is not None else subtree(module)
     parameters = listing.objects
     if parameters is None:
         parameters = current_parameters(listing)

@@ -190,8 +190,8 @@ class InPlaceWeight(nn.Module):
 
 
 class OwnGenerator(nn.Module):
-    """Adds noise drawn from a generator of its own (NOTE [ explicit generators ]: replayed
-    once a verified first forward has seen it)."""
+    """Adds noise drawn from a generator of its own (NOTE [ explicit generators ]: a module
+    attribute, so every region over it stashes the generator)."""
 
     def __init__(self, seed: int) -> None:
         super().__init__()
@@ -202,9 +202,9 @@ class OwnGenerator(nn.Module):
 
 
 @st.composite
-def layers(draw: st.DrawFn, rank: int, c: int, generators: bool = False) -> nn.Module:
+def layers(draw: st.DrawFn, rank: int, c: int, generators: bool = True) -> nn.Module:
     """One shape-preserving layer for input of ``rank`` with ``c`` channels; ``generators``:
-    also layers drawing from generators of their own (exact under ``"bitwise"``)."""
+    also layers drawing from generators of their own."""
     batch_norm = {
         2: scopedckpt.BatchNorm1d,
         3: scopedckpt.BatchNorm1d,
@@ -327,7 +327,7 @@ class Case:
 
 
 @st.composite
-def cases(draw: st.DrawFn, max_steps: int = 3, generators: bool = False) -> Case:
+def cases(draw: st.DrawFn, max_steps: int = 3, generators: bool = True) -> Case:
     """A random model with random regions, input, seed and training mode; ``generators``:
     see :func:`layers`."""
     rank = draw(st.sampled_from(RANKS))

@@ -53,14 +53,19 @@ def test_mismatch_names_the_first_differing_tensor() -> None:
 
 
 class PrivateNoise(nn.Module):
-    """Unscoped randomness from its own generator: neither scoped nor replayable."""
+    """Unscoped randomness from its own generator, held in a list: no region can reach it
+    without running (NOTE [ explicit generators ]), and the testing helper verifies nothing
+    unless asked, so nothing replays it."""
 
-    def __init__(self) -> None:
+    def __init__(self, reachable: bool = False) -> None:
         super().__init__()
-        self.generator = torch.Generator().manual_seed(0)
+        generator = torch.Generator().manual_seed(0)
+        if reachable:
+            self.generator = generator
+        self.generators = [generator]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * (torch.rand(x.shape, generator=self.generator) < 0.5)
+        return x * (torch.rand(x.shape, generator=self.generators[0]) < 0.5)
 
 
 def test_unscoped_randomness_from_a_private_generator_is_caught() -> None:
@@ -74,6 +79,12 @@ def test_unscoped_randomness_from_a_private_generator_is_caught() -> None:
         ),
     ):
         assert_checkpoint_equivalent(model, torch.randn(5, 4), targets=[model])
+
+
+def test_a_private_generator_the_region_reaches_is_replayed() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), PrivateNoise(reachable=True))
+    assert_checkpoint_equivalent(model, torch.randn(5, 4), targets=[model])
 
 
 def test_a_run_without_regions_fails() -> None:
