@@ -20,8 +20,11 @@ again in every recompute of a region that replays the RNG (NOTE [ RNG replay ]
 in ``_rng.py``), and checked against the recorded seed, which is the one used.
 Without that draw, every unscoped random op after a scoped dropout in the same
 region (timm's ``proj_drop`` then ``drop_path``) would see a stream shifted by
-one draw in the recompute. A seed from a user's ``generator=`` is not drawn
-again: that generator is not rewound, and unscoped ops do not share it.
+one draw in the recompute. A seed from a user's ``generator=`` is drawn again
+only in a recompute that replays that generator (NOTE [ explicit generators ]
+in ``_generators.py``: an unscoped op in the region draws from it too, or the
+region can reach it): the replay rewinds it, and the unscoped draws after the
+seed must see it advanced past the seed, as in the first forward.
 """
 
 from __future__ import annotations
@@ -76,19 +79,29 @@ def _draw_seed(generator: torch.Generator | None) -> int:
         return int(torch.randint(0, _SEED_HIGH, (), generator=generator, device=device))
 
 
-def _redraw(seed: int | None, owner: object) -> None:
-    """Draw the recorded seed again to keep the default stream aligned (NOTE [ aligned draws ])."""
+def _redraw(seed: int, owner: object, generator: torch.Generator | None) -> None:
+    """Draw the recorded seed again where the recompute replays its generator, to keep
+    that stream aligned (NOTE [ aligned draws ])."""
     frame = FRAME.get()
-    if frame is None or frame.tape.rng is None:
+    if frame is None:
         return
-    again = _draw_seed(None)
+    if generator is None:
+        if frame.tape.rng is None:
+            return
+        source = "torch's default generator"
+    else:
+        replayed = frame.tape.generators
+        if replayed is None or all(g is not generator for g, _ in replayed.stash):
+            return
+        source = "its generator"
+    again = _draw_seed(generator)
     if again != seed:
         raise ScopedCkptError(
             f"scopedckpt: the recompute of a checkpoint region drew seed {again} for "
-            f"{describe(owner)} from torch's default generator, but its first forward drew "
+            f"{describe(owner)} from {source}, but its first forward drew "
             f"{seed} at the same point: the random numbers drawn in the region differ between "
             "forward and recompute (data-dependent random draws, or another thread drawing "
-            "from the default generator while the region ran). Give the scoped layers their "
+            "from that generator while the region ran). Give the scoped layers their "
             "own generator=..., or keep such draws outside checkpoint regions."
         )
 
@@ -174,8 +187,8 @@ def _seeded_dropout(
         return True, seed, generator is None, noise
 
     (was_training, seed, from_default, noise), phase = tape_value("dropout", owner, decide)
-    if from_default and phase is RECOMPUTE:
-        _redraw(seed, owner)
+    if seed is not None and phase is RECOMPUTE:
+        _redraw(seed, owner, None if from_default else generator)
     if not was_training or p == 0.0 or input.numel() == 0:
         return input
     if seed is None:  # p == 1: everything dropped, nothing random

@@ -40,8 +40,11 @@ attribute of an object that is not a module, a global read by a helper
 function rather than by a forward), and first used on a call that is not
 verified, is not seen until the next verified call of the site; that call's
 verification raises where its draws reach a saved tensor. Scoped layers given
-``generator=`` record their seeds and draw nothing in recomputes: stashing
-their generator too changes nothing.
+``generator=`` record their seeds; a recompute that replays their generator
+draws each seed again (NOTE [ aligned draws ] in ``_dropout.py``), so that
+unscoped ops sharing the generator draw what they drew in the first forward.
+The generators scoped layers build masks with (``_mask.py``, reseeded at every
+use) are never stashed, like the default ones.
 
 Compiled code run by a watched region: dynamo compiles it for the torch function
 modes in force, so the watch lets every call through unseen while dynamo traces
@@ -63,6 +66,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ._mask import MASK_GENERATORS
 from ._sampling import site_of
 from ._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape
 from ._subtree import Listing, global_generators_of, subtree
@@ -258,6 +262,7 @@ class _Watch(TorchFunctionMode):
             stash is not None
             and type(generator) is torch.Generator
             and id(generator) not in self.defaults
+            and generator not in MASK_GENERATORS
             and all(g is not generator for g, _ in stash)
         ):
             stash.append((generator, generator.get_state()))

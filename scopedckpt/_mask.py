@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,13 +23,15 @@ from torch import Tensor
 
 from ._strict import scoped_draws
 
-__all__ = ["STREAM_VERSION", "Mask", "MaskedDropout", "masked_dropout"]
+__all__ = ["MASK_GENERATORS", "STREAM_VERSION", "Mask", "MaskedDropout", "masked_dropout"]
 
 # SELU's negative saturation, as in ATen's alpha dropout.
 _ALPHA = 1.7580993408473766
 
 
 _GENERATORS = threading.local()
+# Every thread's mask generators (weakly): explicit-generator replay leaves them alone.
+MASK_GENERATORS: weakref.WeakSet[torch.Generator] = weakref.WeakSet()
 
 # The version of the mask stream: which elements a (seed, p, shape, device) keeps.
 # It changes, with a CHANGELOG line, whenever any size band's bits change (the
@@ -78,6 +81,7 @@ def _mask_generator(device: torch.device) -> torch.Generator:
     generator = cache.get(device)
     if generator is None:
         generator = cache[device] = torch.Generator(device=device)
+        MASK_GENERATORS.add(generator)
     return generator
 
 

@@ -276,3 +276,60 @@ def test_a_generator_found_once_is_stashed_by_the_sites_later_calls() -> None:
     assert key in _generators._Sites.found
     (ref,) = _generators._Sites.found[key][1]
     assert ref() is block.generators[0]
+
+
+class Shared(nn.Module):
+    """A scoped dropout and an unscoped op drawing from one generator, the module's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(3)
+        self.drop = scopedckpt.Dropout(0.5, generator=self.generator)
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.drop(self.linear(x))
+        return (y * torch.rand(y.shape, generator=self.generator)).tanh()
+
+
+def _train_shared(checkpointed: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = Shared()
+    x = torch.randn(3, 4)
+    seen: list[torch.Tensor] = []
+    for _ in range(3):
+        with scopedckpt.checkpointing(model, enabled=checkpointed):
+            loss = model(x).sum()
+        loss.backward(retain_graph=True)  # two recomputes
+        loss.backward()
+        for p in model.parameters():
+            seen.append(p.grad.clone())  # type: ignore[union-attr]
+            p.grad = None
+        seen.append(model.generator.get_state())
+    return seen
+
+
+@pytest.mark.parametrize("sampling", [True, False], ids=["sampled", "unverified"])
+def test_a_generator_a_scoped_layer_shares_with_an_unscoped_op_is_replayed(
+    sampling: bool,
+) -> None:
+    """The replay rewinds the generator, so the scoped layer draws its seed again in the
+    recompute and the unscoped op draws what it drew in the first forward (NOTE
+    [ aligned draws ] in _dropout.py)."""
+    previous = scopedckpt.set_verification_sampling(64 if sampling else 0)
+    try:
+        plain, checkpointed = _train_shared(False), _train_shared(True)
+    finally:
+        scopedckpt.set_verification_sampling(previous)
+    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+
+
+def test_the_scoped_layers_mask_generators_are_never_stashed() -> None:
+    """Their draws happen under a verified first forward's watch, but they are reseeded at
+    every use: remembering them would make every later region of the site stash them."""
+    model = scopedckpt.convert(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 4)))
+    x = torch.randn(8, 4)
+    for _ in range(2):
+        with scopedckpt.checkpointing(model):
+            model(x).sum().backward()
+    assert _generators._Sites.found == {}

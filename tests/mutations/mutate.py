@@ -174,8 +174,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "scoped_draw_not_realigned",
         "scopedckpt/_dropout.py",
-        "        _redraw(seed, owner)",
-        "        pass",
+        "        _redraw(seed, owner, None if from_default else generator)\n",
+        "        pass\n",
         ("tests/test_rng.py",),
         "an unscoped draw after a scoped dropout sees a stream shifted by one seed",
     ),
@@ -735,6 +735,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "",
         ("tests/test_generators.py",),
         "a function region over a module does not look at the module's generators",
+    ),
+    Mutant(
+        "dropout_seed_not_redrawn_from_a_replayed_generator",
+        "scopedckpt/_dropout.py",
+        "        _redraw(seed, owner, None if from_default else generator)\n",
+        "        if from_default:\n            _redraw(seed, owner, None)\n",
+        ("tests/test_generators.py",),
+        "an unscoped op sharing a scoped layer's generator draws from a stream one seed behind",
+    ),
+    Mutant(
+        "generators_watch_stashes_mask_generators",
+        "scopedckpt/_generators.py",
+        "            and generator not in MASK_GENERATORS\n",
+        "",
+        ("tests/test_generators.py",),
+        "every region of a site with scoped dropout stashes and replays the mask generator",
     ),
     Mutant(
         "written_learning_never_ends",
