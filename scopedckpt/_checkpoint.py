@@ -9,7 +9,8 @@ from typing import Any, TypeVar
 import torch
 
 from . import _torch_private
-from ._engine import REENTRANT_MESSAGE, ContextFn
+from ._contexts import ContextFn
+from ._engine import REENTRANT_MESSAGE
 from ._errors import ScopedCkptError
 from ._options import DEFAULT_OPTIONS, DETERMINISM_CHECKS, RegionOptions
 from ._run import run_region

@@ -21,6 +21,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from . import _guard, _mechanisms, _torch_private
+from ._contexts import ContextFn, compose
 from ._early_stop import full_recompute
 from ._options import DEFAULT_OPTIONS, RegionOptions
 from ._policy import as_policy
@@ -31,7 +32,6 @@ from ._subtree import Listing, subtree
 __all__ = ["region_context_fn", "region_module"]
 
 R = TypeVar("R")
-ContextFn = _torch_private.ContextFn
 Undo = _mechanisms.Undo
 
 _REGION = "region"
@@ -232,7 +232,7 @@ def region_context_fn(
     context_fn = options.context_fn
     if context_fn is None or context_fn is _torch_private.NOOP_CONTEXT_FN:
         return fn, ours
-    return fn, _torch_private.compose(ours, context_fn)
+    return fn, compose(ours, context_fn)
 
 
 def region_module(owner: object | None, fn: Callable[..., Any]) -> torch.nn.Module | None:

@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from ._torch_private import ContextFn
+from ._contexts import ContextFn
 
 __all__ = ["DEFAULT_OPTIONS", "DETERMINISM_CHECKS", "RegionOptions"]
 

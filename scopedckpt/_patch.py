@@ -61,6 +61,7 @@ from ._sampling import sampled_check
 from ._scope import decorate
 from ._state import DEFAULT_SCOPE, SCOPE, Scope
 from ._torch_private import PATH
+from ._torch_support import missing_piece
 
 __all__ = ["patch_torch_checkpoint"]
 
@@ -194,7 +195,7 @@ def _replacements() -> dict[str, Any]:
     """The module globals to swap on this torch; raises if a needed one is missing."""
     if PATH.generator is None:
         raise ScopedCkptError(
-            _torch_private.missing_piece(
+            missing_piece(
                 "torch.utils.checkpoint's non-reentrant generator "
                 "(_checkpoint_without_reentrant_generator_impl on torch >= 2.14, "
                 "_checkpoint_without_reentrant_generator before)",
@@ -258,7 +259,7 @@ def _prove_live(torch_checkpoint_fn: Callable[..., Any]) -> None:
     ]
     if missing:
         raise ScopedCkptError(
-            _torch_private.missing_piece(
+            missing_piece(
                 "torch's checkpoint calling " + ", ".join(missing), "patch_torch_checkpoint()"
             )
         )

@@ -53,7 +53,6 @@ import contextlib
 import contextvars
 import inspect
 import operator
-import re
 import sys
 import threading
 from collections import OrderedDict
@@ -65,7 +64,9 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._contexts import ContextFn, compose
 from ._errors import ScopedCkptError
+from ._torch_support import check_torch, missing_piece
 
 __all__ = [
     "GLOBAL_POST_HOOKS",
@@ -85,9 +86,7 @@ __all__ = [
     "bound_arguments",
     "call_generator",
     "check_input_dim",
-    "check_torch",
     "checkpoint_debug_enabled",
-    "compose",
     "debug_composed",
     "detach_below_autograd",
     "generator_like",
@@ -102,28 +101,8 @@ __all__ = [
     "written_positions",
 ]
 
-# The oldest torch tested. torch 2.12 does not throw an exception raised in a
-# region's forward into its checkpoint generator, so scopedckpt's contexts would
-# stay entered until a garbage collection, and its dynamo replays a forward patch
-# removed inside a compiled step as a failing delattr (docs/migration.md).
-OLDEST_TORCH = (2, 13)
-
-
-def check_torch(version: str) -> None:
-    """Raise ImportError for a torch older than :data:`OLDEST_TORCH`."""
-    release = re.match(r"(\d+)\.(\d+)", version)
-    if release is None or (int(release[1]), int(release[2])) < OLDEST_TORCH:
-        raise ImportError(
-            f"scopedckpt needs torch >= {'.'.join(map(str, OLDEST_TORCH))}, but torch "
-            f"{version} is installed: on older torch an exception inside a checkpoint "
-            "region would leave scopedckpt's scope active. Upgrade torch "
-            "(pip install 'torch>=2.13')."
-        )
-
-
 check_torch(torch.__version__)
 
-ContextFn = Callable[[], tuple[Any, Any]]
 Options = dict[str, Any]  # torch's checkpoint keywords, less use_reentrant
 CheckpointGenerator = Generator[None, None, None]
 
@@ -286,50 +265,6 @@ def debug_composed(context_fn: ContextFn) -> Iterator[None]:
             _DEBUG_USERS -= 1
             if _DEBUG_USERS == 0:
                 setattr(torch_checkpoint, _DEBUG_NAME, _TORCH_DEBUG_CONTEXT.pop())
-
-
-def missing_piece(piece: str, feature: str) -> str:
-    """The message for a torch that lacks what ``feature`` relies on."""
-    return (
-        f"scopedckpt: {feature} relies on {piece}, which torch {torch.__version__} does not "
-        "have or no longer uses, so it would silently run torch's own checkpoint (batch "
-        "norm updated twice, randomness not replayed). Install a torch this scopedckpt "
-        "release supports (README: 'Tested with'), or upgrade scopedckpt; until then use "
-        "scopedckpt.checkpoint or checkpointing(targets) instead."
-    )
-
-
-class _Both:
-    """Enter ``outer`` then ``inner``, exit in reverse; re-enterable if both are."""
-
-    __slots__ = ("_inner", "_outer")
-
-    def __init__(self, outer: Any, inner: Any) -> None:
-        self._outer, self._inner = outer, inner
-
-    def __enter__(self) -> None:
-        self._outer.__enter__()
-        try:
-            self._inner.__enter__()
-        except BaseException as error:
-            self._outer.__exit__(type(error), error, error.__traceback__)
-            raise
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            self._inner.__exit__(*exc)
-        finally:
-            self._outer.__exit__(*exc)
-
-
-def compose(outer: ContextFn, inner: ContextFn) -> ContextFn:
-    """A ``context_fn`` whose two contexts enter ``outer``'s and then ``inner``'s."""
-
-    def composed() -> tuple[Any, Any]:
-        (forward, recompute), (inner_forward, inner_recompute) = outer(), inner()
-        return _Both(forward, inner_forward), _Both(recompute, inner_recompute)
-
-    return composed
 
 
 NOOP_CONTEXT_FN: ContextFn = torch_checkpoint.noop_context_fn

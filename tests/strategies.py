@@ -201,6 +201,20 @@ class OwnGenerator(nn.Module):
         return x + 0.125 * torch.randn(x.shape, generator=self.generator)
 
 
+class SharedGenerator(nn.Module):
+    """A scoped dropout and an unscoped op drawing from one generator of the module's (NOTE
+    [ aligned draws ] in ``_dropout.py``: the replay rewinds it, the dropout redraws its
+    seed)."""
+
+    def __init__(self, seed: int, p: float) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(seed)
+        self.drop = scopedckpt.Dropout(p, generator=self.generator)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(x) + 0.125 * torch.rand(x.shape, generator=self.generator)
+
+
 @st.composite
 def layers(draw: st.DrawFn, rank: int, c: int, generators: bool = True) -> nn.Module:
     """One shape-preserving layer for input of ``rank`` with ``c`` channels; ``generators``:
@@ -225,10 +239,13 @@ def layers(draw: st.DrawFn, rank: int, c: int, generators: bool = True) -> nn.Mo
     # Unscoped ones: replayed by the RNG stash, guarded by the buffer guard.
     kinds += ["torch_dropout", "functional_dropout", "drop_path", "torch_batch_norm"]
     kinds += ["own_forward_batch_norm", "counter", "noise", "hooked_counter", "rrelu"]
-    kinds += ["banked", "in_place_weight"] + (["own_generator"] if generators else [])
+    kinds += ["banked", "in_place_weight"]
+    kinds += ["own_generator", "shared_generator"] if generators else []
     kind = draw(st.sampled_from(kinds))
     if kind == "own_generator":
         return OwnGenerator(draw(st.integers(0, 2**16)))
+    if kind == "shared_generator":
+        return SharedGenerator(draw(st.integers(0, 2**16)), draw(probabilities))
     if kind == "banked":
         return Banked(c)
     if kind == "in_place_weight":

@@ -17,7 +17,7 @@ import torch.utils.checkpoint as tc
 from torch import nn
 
 import scopedckpt
-from scopedckpt import _patch, _torch_private
+from scopedckpt import _patch, _torch_private, _torch_support
 from scopedckpt._engine import COUNTERS
 from scopedckpt._state import FRAME, SCOPE
 from scopedckpt._torch_private import PATH
@@ -57,12 +57,12 @@ def _patched_region(call: Any) -> Any:
 @pytest.mark.parametrize("version", ["2.12.1+cu130", "2.4.0", "1.13.1"])
 def test_a_torch_older_than_the_oldest_tested_is_refused_at_import(version: str) -> None:
     with pytest.raises(ImportError, match=r"needs torch >= 2\.13.*" + re.escape(version)):
-        _torch_private.check_torch(version)
+        _torch_support.check_torch(version)
 
 
 @pytest.mark.parametrize("version", ["2.13.0", "2.13.0+cpu", "2.14.1+cu130", "2.15.0", "3.0.0a0"])
 def test_tested_and_newer_torch_is_accepted(version: str) -> None:
-    _torch_private.check_torch(version)
+    _torch_support.check_torch(version)
 
 
 def test_the_detected_path_is_the_one_this_torch_calls() -> None:

@@ -6,7 +6,7 @@ formulations give the same bits and float32/float64 kept values equal
 ``F.dropout``'s (NOTE [ two formulations ]), that the CUDA backward runs in
 another thread, exactness of eager training with regions (converted and not,
 with unscoped ``F.dropout`` and ``torch.rand_like`` in the blocks, plain and
-``retain_graph`` backward), and that compiled training with scopedckpt's
+``retain_graph`` backward), explicit generators a region reaches, and that compiled training with scopedckpt's
 regions lands where compiled training with torch's checkpoint does, and that a
 ``scopedckpt.plan()`` at half the peak trains exactly and keeps its predicted peak
 (``torch.cuda.max_memory_allocated`` within 10 %), also across the planner's quick
@@ -227,6 +227,44 @@ def compiled():
             assert not same(ours, torchs), same(ours, torchs)
 
 
+def explicit_generators():
+    """Issue 25, hole 6, on the device: a generator the region reaches (a module attribute)
+    first used on the second step, which sampling does not verify, and shared by a scoped
+    dropout and an unscoped op; two recomputes a step: bitwise as plain training."""
+
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.generator = torch.Generator(device=dev).manual_seed(5)
+            self.drop = scopedckpt.Dropout(0.3, generator=self.generator)
+            self.linear = nn.Linear(64, 64)
+            self.noisy = False
+
+        def forward(self, x):
+            y = self.drop(self.linear(x))
+            if self.noisy:
+                y = y + torch.randn(y.shape, device=y.device, generator=self.generator)
+            return y.tanh()
+
+    def train(regions):
+        torch.manual_seed(0)
+        m = nn.Sequential(Noisy(), nn.Linear(64, 1)).to(dev)
+        x = torch.randn(32, 64, device=dev)
+        seen = []
+        for step in range(4):
+            m[0].noisy = step > 0
+            with scopedckpt.checkpointing(m[0], enabled=regions):
+                loss = m(x).sum()
+            loss.backward(retain_graph=True)
+            loss.backward()
+            seen += [p.grad.clone() for p in m.parameters()] + [m[0].generator.get_state()]
+            m.zero_grad(set_to_none=True)
+        return seen
+
+    plain, checkpointed = train(False), train(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+
+
 def planned():
     """A plan at half the peak: exact, and its predicted peak is what CUDA allocates."""
     m = model(convert=False)
@@ -283,6 +321,7 @@ def main() -> int:
                 f"exact on cuda, convert={convert}, {backward}",
                 lambda c=convert, b=backward: exact(c, b),
             )
+    check("explicit generators on cuda: reached, shared with a scoped layer", explicit_generators)
     check("compiled on cuda: scopedckpt lands where torch's checkpoint does", compiled)
     check("a plan at half the peak: exact, its peak as predicted", planned)
     check("the planner's benchmark on cuda: peaks as predicted", plan_benchmark)
