@@ -221,8 +221,7 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
     there are some, or where the first forward is verified (and watched)."""
     known = reachable(call)
     for generator in _known(call):
-        if all(g is not generator for g in known):
-            known.append(generator)
+        _add(known, generator)
     watched = call.determinism_check == "bitwise"
     if not known and not watched:
         return False
