@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scopedckpt import _dropout, _engine, _guard, _mask
+from scopedckpt import _dropout, _eager_checkpoint, _engine, _guard, _mask
 from scopedckpt._demo import saved_activation_bytes
 from scopedckpt._live import LiveBytes
 from scopedckpt._options import RegionOptions
@@ -36,6 +36,7 @@ __all__ = [
     "RegionPieces",
     "choose",
     "dropout_mask",
+    "eager_checkpoint",
     "profile_step",
     "random_words",
     "saved_activation_bytes",
@@ -177,3 +178,20 @@ class RegionPieces:
     def hook(self, module: nn.Module) -> Callable[[], None]:
         """The buffer guard's first-forward hook on ``module``, as a call."""
         return lambda: _guard._pre_hook(module, (self.x,))
+
+
+def eager_checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` through the eager region's own checkpoint alone, with no contexts and
+    torch's default check (what an eager region runs it with, less scopedckpt's mechanisms)."""
+    return _eager_checkpoint.run(fn, args, {}, _NOTHING, _NOTHING, "default", True)
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NOTHING = _Nothing()

@@ -17,6 +17,11 @@ MLP:
 
 Their ratio is how much slower the same Python runs between a step's kernels
 than in a loop that keeps it in the caches.
+
+Under those functions a region runs a checkpoint: the eager one
+(``_eager_checkpoint``, NOTE [ eager checkpoint ]) where it applies, torch's
+elsewhere. :func:`engines` times a region step of each alone on a small block,
+in a loop: their difference is what the eager one saves per region.
 """
 
 from __future__ import annotations
@@ -31,10 +36,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from . import models
-from .internals import PIECES, RegionPieces
+from .internals import PIECES, RegionPieces, eager_checkpoint
 
 
 @contextmanager
@@ -93,6 +99,39 @@ def _in_a_loop(number: int) -> dict[str, float]:
     return result
 
 
+def engines(number: int) -> dict[str, float]:
+    """Microseconds per region step (forward, then backward with its recompute) of the
+    checkpoint under a region, torch's and the eager one, in a loop on one small block,
+    with the keywords an eager region passes torch (no RNG stash, no context of its own)."""
+    block = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+
+    def step(run: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        def once() -> None:
+            run().sum().backward()
+
+        return once
+
+    variants = {
+        "torch's checkpoint": step(
+            lambda: torch_checkpoint.checkpoint(
+                block, x, use_reentrant=False, preserve_rng_state=False
+            )
+        ),
+        "the eager checkpoint": step(lambda: eager_checkpoint(block, x)),
+    }
+    timed = {name: 0.0 for name in variants}
+    for _ in range(5):  # interleaved: both see the same machine state
+        for name, function in variants.items():
+            seconds = min(timeit.repeat(function, number=number, repeat=3)) / number
+            timed[name] = min(timed[name] or seconds, seconds)
+    result = {f"{name}, region step in a loop, us": t * 1e6 for name, t in timed.items()}
+    result["torch's - the eager checkpoint, us per region"] = (
+        timed["torch's checkpoint"] - timed["the eager checkpoint"]
+    ) * 1e6
+    return result
+
+
 def machinery(depth: int = 8, steps: int = 100) -> dict[str, float]:
     """Microseconds per region of each piece in steps of the converted small-op MLP,
     and in a loop, and their ratio."""
@@ -129,6 +168,7 @@ def machinery(depth: int = 8, steps: int = 100) -> dict[str, float]:
     result["all three, in a step, us per region"] = total_step
     result["all three, in a loop, us per region"] = total_loop
     result["in a step / in a loop"] = total_step / total_loop
+    result.update(engines(500))
     return result
 
 

@@ -2,7 +2,9 @@
 
 A region is ``torch.utils.checkpoint.checkpoint(use_reentrant=False,
 context_fn=...)`` whose forward context records the region's tape and whose
-recompute context replays it (see NOTE [ tape ] in ``_state.py``).
+recompute context replays it (see NOTE [ tape ] in ``_state.py``); an eager
+region runs it through ``_eager_checkpoint`` where that applies (NOTE [ eager
+checkpoint ]), through torch's function everywhere else.
 
 The mechanisms a region enters are listed in ``_mechanisms.py`` (NOTE [ region
 mechanisms ]); this module knows none of them by name.
@@ -20,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from . import _guard, _mechanisms, _torch_private
+from . import _eager_checkpoint, _guard, _mechanisms, _torch_private
 from ._contexts import ContextFn, compose
 from ._early_stop import full_recompute
 from ._options import DEFAULT_OPTIONS, RegionOptions
@@ -303,6 +305,17 @@ def _region(
             # torch's debug mode is a context_fn of its own: ours rides along with it.
             with _torch_private.debug_composed(contexts):
                 return torch_checkpoint.checkpoint(fn, *args, debug=True, **keywords, **kwargs)
+        if _eager_checkpoint.usable(options):
+            forward_context, recompute_context = contexts()
+            return _eager_checkpoint.run(
+                fn,
+                args,
+                kwargs,
+                forward_context,
+                recompute_context,
+                options.determinism_check,
+                options.early_stop,
+            )
         return torch_checkpoint.checkpoint(fn, *args, context_fn=contexts, **keywords, **kwargs)
     finally:
         OWN_CALL.reset(token)

@@ -2,55 +2,40 @@
 
 NOTE [ torch versions ]
 =======================
-scopedckpt reaches into torch where no public API does what it needs; each
-such name is read here, by feature detection rather than version strings, and
-a mechanism whose name is gone raises :class:`ScopedCkptError` at the point of
-use, naming the torch version and the missing piece, instead of silently
-running torch's own checkpoint (``tests/test_torch_private.py``):
+Each private name is read here, by feature detection rather than version
+strings; a mechanism whose name is gone raises :class:`ScopedCkptError` where
+it is used, naming the torch version and the missing piece, instead of silently
+running torch's own checkpoint (``tests/test_torch_private.py``, which also
+checks that no other module uses a private torch name):
 
-* **torch's checkpoint call path** (:data:`PATH`). torch <= 2.13:
-  ``checkpoint`` itself calls ``_checkpoint_without_reentrant_generator(fn,
-  preserve_rng_state, context_fn, determinism_check, debug, early_stop,
-  *args, **kwargs)``. torch >= 2.14: ``checkpoint`` and its decorator form
-  call ``_checkpoint_impl(fn, args, kwargs, *, use_reentrant, ...)``, which
-  calls ``_checkpoint_without_reentrant_generator_impl(fn, args, kwargs, *,
-  ..., respect_saved_tensors_hooks)``; the old name survives as a shim
-  nothing in torch calls. Both look their callees up as module globals at
-  every call, which ``patch_torch_checkpoint`` swaps and then proves live
-  (NOTE [ patching torch's checkpoint ] in ``_patch.py``).
-  :func:`call_generator` and :func:`generator_like` hide the two signatures.
-* **debug mode**: ``_checkpoint_debug_enabled`` (the switch
-  ``set_checkpoint_debug_enabled`` sets) and ``_get_debug_context_and_cb``
-  (torch builds ``debug=True`` as a ``context_fn`` plus an error callback and
-  refuses any other ``context_fn`` beside it): :func:`debug_composed` swaps
-  the latter for one call's duration so that it returns ours composed with
-  torch's, and raises if torch did not ask for it.
-* **dispatch modes**: ``torch.utils._python_dispatch.TorchDispatchMode`` is
-  the only way to see each aten op a region runs (strict mode, selective
-  saving); the public ``TorchFunctionMode`` misses ops issued from C++.
-  Selective saving skips ``torch.utils.checkpoint.SAC_IGNORED_OPS``, as torch's
-  own does, detaches kept outputs under ``torch._C._SetExcludeDispatchKeyGuard``
-  so they share the version counter of the tensor the model holds, reads op
-  schemas (``OpOverload._schema``) and asks ``torch._guards.TracingContext``
-  whether torch is tracing. The planner's counting mode reads the same schemas:
-  whether an op returns an alias of an argument, and which arguments it writes
-  in place (:func:`written_positions`).
-* **saved-tensor hooks**: the memory report reads the innermost pair through
-  ``torch._C._autograd._top_saved_tensors_default_hooks``.
+* **checkpoint call path** (:data:`PATH`). torch <= 2.13: ``checkpoint`` calls
+  ``_checkpoint_without_reentrant_generator(fn, preserve_rng_state, context_fn,
+  determinism_check, debug, early_stop, *args, **kwargs)``; torch >= 2.14:
+  ``_checkpoint_impl`` calls ``_checkpoint_without_reentrant_generator_impl(fn,
+  args, kwargs, *, ...)`` and the old name is a shim nothing calls. Both are
+  module globals looked up per call, which ``patch_torch_checkpoint`` swaps
+  (``_patch.py``); :func:`call_generator` and :func:`generator_like` hide the
+  two signatures.
+* **checkpoint internals**: debug mode's switch and ``_get_debug_context_and_cb``
+  (:func:`debug_composed` composes ours with torch's for one call); the
+  determinism-check registry, early-stop switch, stop exception, saved inputs
+  (``_make_saved_tensor``), graph-task ids and internal-hook marking that the
+  eager region's own checkpoint follows (``_eager_checkpoint.py``).
+* **dispatch modes and op schemas**: ``TorchDispatchMode`` sees each aten op a
+  region runs (strict mode, selective saving, the planner); selective saving
+  skips ``SAC_IGNORED_OPS`` and detaches kept outputs under
+  ``_SetExcludeDispatchKeyGuard`` so they share the model's version counter.
+* **saved-tensor hooks**: the memory report reads the innermost pair.
 * **module and tensor internals**: the buffer guard swaps entries of
-  ``nn.Module._buffers``, the registry ``register_buffer`` fills, because
-  ``setattr`` would run ``__setattr__`` logic and hooks on every swap. Scoped
-  layers subclass ``_DropoutNd`` and ``_BatchNorm`` and call
-  ``_check_input_dim``; ``convert`` recognises ``_NormBase``. Selective saving
-  reads version counters (``Tensor._version``), the memory report a view's
-  ``_base``. ``tests/test_torch_private.py`` checks that no other module of
-  the package uses a private torch name.
+  ``nn.Module._buffers`` (``setattr`` would run hooks per swap); scoped layers
+  subclass ``_DropoutNd``/``_BatchNorm``; version counters and a view's ``_base``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import operator
 import sys
@@ -191,14 +176,9 @@ def generator_like(
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        options = dict(
-            preserve_rng_state=preserve_rng_state,
-            context_fn=NOOP_CONTEXT_FN if context_fn is None else context_fn,
-            determinism_check=determinism_check,
-            debug=debug,
-            early_stop=early_stop,
-        )
-        return body(fn, args, kwargs, options)
+        context = NOOP_CONTEXT_FN if context_fn is None else context_fn
+        values = (preserve_rng_state, context, determinism_check, debug, early_stop)
+        return body(fn, args, kwargs, dict(zip(_OPTIONS, values, strict=True)))
 
     return generator
 
@@ -363,8 +343,8 @@ def register_determinism_check(name: str, metadata_fn: Callable[[torch.Tensor], 
 
 def recompute_whole(depth: int) -> bool:
     """Turn early stop off for the checkpoint whose pack hook called a determinism check
-    ``depth`` frames up (torch's ``_checkpoint_hook.pack_hook``, whose ``frame`` is the
-    region's ``_CheckpointFrame``); whether it was found."""
+    ``depth`` frames up (torch's ``_checkpoint_hook.pack_hook`` or the eager region's, whose
+    ``frame`` has ``early_stop``); whether it was found."""
     caller = sys._getframe(depth + 1)
     frame = caller.f_locals.get("frame")
     if frame is None or not isinstance(getattr(frame, "early_stop", None), bool):
@@ -392,3 +372,39 @@ def tracing() -> bool:
 def top_saved_tensors_hooks() -> tuple[Callable[[Any], Any], Callable[[Any], Any]] | None:
     """The innermost ``saved_tensors_hooks`` pair now in force, or None."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+# torch's non-reentrant algorithm, for the eager region's own (_eager_checkpoint.py).
+# A tensor saved as autograd saves a node's input (through the hooks in force).
+make_saved_tensor = functools.partial(torch._C._autograd._make_saved_tensor, is_output=False)
+infer_device_type: Callable[..., str] = torch_checkpoint._infer_device_type
+early_stop_override = functools.partial(getattr, torch_checkpoint, "_enable_checkpoint_early_stop")
+_HOOKS = getattr(
+    torch_checkpoint, "_checkpoint_internal_hook", torch.autograd.graph.saved_tensors_hooks
+)
+
+
+def internal_hooks(pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> Any:
+    """``saved_tensors_hooks`` marked as a checkpoint's (torch >= 2.14 looks past them)."""
+    pack._checkpoint_internal = True  # type: ignore[attr-defined]
+    return _HOOKS(pack, unpack)
+
+
+def modes_active() -> bool:
+    """Whether a torch function or dispatch mode is active (a device context, a trace)."""
+    return bool(torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())
+
+
+def determinism_check_fn(name: str) -> Callable[[torch.Tensor], Any]:
+    """The metadata function torch's ``determinism_check=name`` compares."""
+    checks = torch_checkpoint._allowed_determinism_checks_to_fns
+    if name not in checks:
+        raise ValueError(f"determinism_check should be one of {list(checks)}, but got {name}")
+    return checks[name]
+
+
+def graph_task_key() -> Any:
+    """What recomputed tensors are kept by: the graph execution group, else the backward
+    running now, else a fresh key (torch's rule)."""
+    task = torch._C._get_graph_exec_group() or torch._C._current_graph_task_id()
+    return object() if task == -1 else task

@@ -6,6 +6,7 @@ import ast
 import inspect
 from pathlib import Path
 
+import pytest
 import torch
 import torch.utils.checkpoint as tc
 
@@ -239,3 +240,29 @@ def test_no_module_but_torch_private_uses_a_private_torch_name() -> None:
     assert found == [], "move these into _torch_private.py (NOTE [ torch versions ])"
     inside = _private_torch_uses(package / "_torch_private.py", ours)
     assert any("_buffers" in use or "_schema" in use for use in inside)  # the scan sees them
+
+
+def test_what_the_eager_checkpoint_follows_is_there() -> None:
+    """The names NOTE [ eager checkpoint ] follows: the early-stop switch, saved inputs,
+    graph-task keys, the determinism-check registry, device inference, mode stacks."""
+    assert _torch_private.early_stop_override() is None
+    with tc.set_checkpoint_early_stop(False):
+        assert _torch_private.early_stop_override() is False
+    x = torch.ones(2, requires_grad=True)
+    assert _torch_private.make_saved_tensor(x).unpack() is x
+    assert _torch_private.graph_task_key() != _torch_private.graph_task_key()  # no backward
+    keys: list[object] = []
+    y = x.sin()
+    y.grad_fn.register_prehook(lambda grad: keys.extend([_torch_private.graph_task_key()] * 2))  # type: ignore[union-attr]
+    y.sum().backward()
+    assert isinstance(keys[0], int) and keys[0] == keys[1]
+    assert _torch_private.determinism_check_fn("default")(x) is not None
+    with pytest.raises(ValueError, match="determinism_check should be one of"):
+        _torch_private.determinism_check_fn("no such check")
+    assert _torch_private.infer_device_type([x]) == tc.DefaultDeviceType.get_device_type()
+    assert not _torch_private.modes_active()
+    with torch.device("cpu"):
+        assert _torch_private.modes_active()
+    hooks = _torch_private.internal_hooks(lambda t: t, lambda t: t)
+    assert isinstance(hooks, torch.autograd.graph.saved_tensors_hooks)
+    assert hooks.pack_hook._checkpoint_internal is True

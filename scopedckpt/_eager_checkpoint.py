@@ -1,0 +1,391 @@
+"""The eager region's checkpoint: torch's non-reentrant algorithm, less what the
+mechanisms already do.
+
+NOTE [ eager checkpoint ]
+=========================
+An eager region needs from torch's non-reentrant checkpoint only its saved-tensor
+algorithm: the first forward hands autograd a placeholder for every tensor it
+saves, and backward's first unpack recomputes the region under a second pair of
+hooks that collects the recomputed tensors in the same order (stopping, with
+early stop, once the last one is collected). Everything else torch's checkpoint
+does around it per call is either done by scopedckpt's own mechanisms (RNG
+replay: scopedckpt always passes ``preserve_rng_state=False``) or concerns paths
+this one is not taken for (debug mode, a caller's ``context_fn``, tracing,
+torch function modes). :func:`usable` says when it is taken; everywhere else
+the region goes through ``torch.utils.checkpoint.checkpoint`` as before.
+
+It keeps torch's contract, rule for rule (``torch/utils/checkpoint.py``, "Rule 1"
+to "Rule 6"):
+
+* inputs are saved as autograd saves tensors (``_make_saved_tensor``), so an
+  enclosing region's hooks drop and recompute them too (nested regions);
+* recomputed tensors are kept per graph task (``retain_graph=True``, then
+  another backward, recomputes again), each released when backward unpacks
+  it, and unpacking one twice raises torch's ``CheckpointError``;
+* a placeholder autograd has already freed is not filled;
+* the determinism check is torch's registry (``"default"``, ``"none"``, and
+  scopedckpt's ``"bitwise"``), with torch's messages on a mismatch, and
+  ``set_checkpoint_early_stop`` overrides ``early_stop`` as in torch;
+* the recompute runs under the autocast state of the first forward, with grad
+  on, outside dynamo (compiled autograd), and its hooks are marked as
+  checkpoint-internal where torch marks its own (torch >= 2.14).
+
+The placeholders are indices into per-frame lists, not the per-tensor handle
+dictionaries torch keeps; that, and skipping the per-call work above, is the
+whole difference (``benchmarks/small_models.py``). One consequence: a
+recomputed tensor whose placeholder autograd frees without unpacking it (a
+graph branch dropped after the recompute) is released with the region's last
+placeholder, where torch releases it with its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointError, DefaultDeviceType
+
+from . import _torch_private
+from ._options import RegionOptions
+
+__all__ = ["run", "usable"]
+
+_DEBUG_TIP = (
+    "\nTip: pass debug=True to the checkpoint call (or wrap the step in "
+    "torch.utils.checkpoint.set_checkpoint_debug_enabled(True)): torch then lists the ops "
+    "of the first forward and of the recompute."
+)
+_UNPACKED = object()  # a recomputed slot that backward has unpacked
+
+
+def usable(options: RegionOptions) -> bool:
+    """Whether an eager region with these options can run here (NOTE [ eager checkpoint ]):
+    no caller's ``context_fn`` or ``respect_saved_tensors_hooks``, no torch function or
+    dispatch mode active (a device context, a trace)."""
+    context_fn = options.context_fn
+    return (
+        (context_fn is None or context_fn is _torch_private.NOOP_CONTEXT_FN)
+        and options.respect_saved_tensors_hooks is None
+        and not _torch_private.modes_active()
+    )
+
+
+class _Placeholder:
+    """What autograd keeps for one saved tensor: its index in the region."""
+
+    __slots__ = ("__weakref__", "index")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _default_metadata(x: torch.Tensor) -> tuple[Any, ...]:
+    return (x.shape, x.dtype, x.device)
+
+
+class _Frame:
+    """One region's first forward and its recomputes (per graph task)."""
+
+    __slots__ = (
+        "__weakref__",
+        "args",
+        "autocast",
+        "counts",
+        "early_stop",
+        "fn",
+        "forward_completed",
+        "ignore_saved_mismatch",
+        "kwargs",
+        "metadata",
+        "metadata_fn",
+        "placeholders",
+        "recompute_context",
+        "recomputed",
+    )
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        kwargs: dict[str, Any],
+        recompute_context: Any,
+        metadata_fn: Callable[[torch.Tensor], Any] | None,
+        early_stop: bool,
+    ) -> None:
+        self.fn = fn
+        self.kwargs = kwargs
+        self.recompute_context = recompute_context
+        self.metadata_fn = metadata_fn
+        self.early_stop = early_stop
+        self.args: list[tuple[bool, Any]] = []  # (saved as autograd saves, argument)
+        self.placeholders: list[weakref.ReferenceType[_Placeholder]] = []
+        self.metadata: list[Any] = []
+        # graph task -> the recomputed tensor of each placeholder (None: not collected,
+        # _UNPACKED: handed to backward)
+        self.recomputed: dict[Any, list[Any]] = {}
+        self.counts: dict[Any, int] = {}  # graph task -> tensors its recompute saved so far
+        self.forward_completed = False
+        self.ignore_saved_mismatch = False
+        self.autocast: tuple[Any, ...] = ()
+
+    def recompute(self, key: Any) -> None:
+        """Run the region again, collecting what its first forward saved."""
+        slots: list[Any] = [None] * len(self.placeholders)
+        self.recomputed[key] = slots
+        self.counts[key] = 0
+        args = [a.unpack() if saved else a for saved, a in self.args]
+        try:
+            with _torch_private.internal_hooks(_collector(weakref.ref(self), key), _identity):
+                with torch.enable_grad():
+                    _run_outside_dynamo(self._rerun, args)
+        except _torch_private.STOP_RECOMPUTATION:
+            pass
+        except BaseException:
+            # A failed recompute is run again by the next unpack of its key (a later
+            # backward in the same GraphExecGroup), as torch's is.
+            del self.recomputed[key], self.counts[key]
+            raise
+        self._check(slots, self.counts.pop(key))
+
+    def _rerun(self, args: list[Any]) -> None:
+        with _autocast_as(self.autocast), self.recompute_context:
+            self.fn(*args, **self.kwargs)
+
+    def _check(self, slots: list[Any], count: int) -> None:
+        if self.ignore_saved_mismatch:
+            return
+        if count != len(self.placeholders):
+            raise CheckpointError(
+                "torch.utils.checkpoint: A different number of tensors was saved "
+                "during the original forward and recomputation.\n"
+                f"Number of tensors saved during forward: {len(self.placeholders)}\n"
+                f"Number of tensors saved during recomputation: {count}." + _DEBUG_TIP
+            )
+        metadata_fn = self.metadata_fn
+        if metadata_fn is None:
+            return
+        different = []
+        for index, placeholder in enumerate(self.placeholders):
+            if placeholder() is None:
+                continue
+            saved = self.metadata[index]
+            recomputed = metadata_fn(slots[index])
+            if saved != recomputed:
+                different.append((index, saved, recomputed))
+        if different:
+            tensors = "".join(
+                f"tensor at position {index}:\nsaved metadata: {_shown(saved)}\n"
+                f"recomputed metadata: {_shown(recomputed)}\n"
+                for index, saved, recomputed in different
+            )
+            raise CheckpointError(
+                "torch.utils.checkpoint: Recomputed values for the following tensors "
+                f"have different metadata than during the forward pass.\n{tensors}." + _DEBUG_TIP
+            )
+
+
+def _collector(frame_ref: weakref.ReferenceType[_Frame], key: Any) -> Callable[[Any], Any]:
+    """The recompute's pack hook. It holds its frame weakly: a graph the recompute builds
+    may outlive the step (a tensor the forward stores on a module), and must not keep the
+    region's function, contexts or recomputed tensors alive."""
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        x = x.detach() if x.requires_grad else x
+        frame = frame_ref()
+        if frame is None:
+            raise AssertionError("scopedckpt: a recompute outlived its region (a bug)")
+        index = frame.counts[key]
+        frame.counts[key] = index + 1
+        placeholders = frame.placeholders
+        if index >= len(placeholders):
+            if not frame.forward_completed:
+                # Backward inside the region's forward, without early stop (torch's rule).
+                frame.ignore_saved_mismatch = True
+                return x
+            raise CheckpointError(
+                "torch.utils.checkpoint: trying to save more tensors during "
+                "recomputation than during the original forward pass." + _DEBUG_TIP
+            )
+        if placeholders[index]() is not None:
+            frame.recomputed[key][index] = x
+        if frame.early_stop and index + 1 == len(placeholders):
+            raise _torch_private.STOP_RECOMPUTATION
+        return x
+
+    return pack
+
+
+def _shown(metadata: Any) -> Any:
+    if isinstance(metadata, tuple) and len(metadata) == 3:
+        return {"shape": metadata[0], "dtype": metadata[1], "device": metadata[2]}
+    return metadata
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+@torch.compiler.disable
+def _run_outside_dynamo(rerun: Callable[[list[Any]], None], args: list[Any]) -> None:
+    # Compiled autograd must not trace the recompute: its saved tensors would not be
+    # the first forward's (torch's Note: [compiled autograd and checkpoint unpack hook]).
+    rerun(args)
+
+
+def _device_type(args: tuple[Any, ...]) -> str:
+    """The device type torch's checkpoint infers from a region's arguments (the first
+    non-CPU one, CUDA first; else torch's default), without flattening plain tensors."""
+    found = None
+    for arg in args:
+        if isinstance(arg, list | tuple | dict):
+            return _torch_private.infer_device_type(*args)
+        if isinstance(arg, torch.Tensor):
+            kind = arg.device.type
+            if kind == "cuda":
+                return kind
+            if kind != "cpu" and found is None:
+                found = kind
+    return found or str(DefaultDeviceType.get_device_type())
+
+
+def _autocast_as(state: tuple[Any, ...]) -> Any:
+    """Enter the autocast state ``state`` (from :func:`_autocast_state`) where it is not
+    the state now."""
+    if state == _autocast_state(state[0]):
+        return _NOTHING
+    device_type, device_kwargs, cpu_kwargs = state
+    return _Autocasts(device_type, device_kwargs, cpu_kwargs)
+
+
+_NOTHING = contextlib.nullcontext()  # re-enterable
+
+
+class _Autocasts:
+    """torch's recompute autocast: the device's, then the CPU's."""
+
+    def __init__(self, device_type: str, device_kwargs: Any, cpu_kwargs: Any) -> None:
+        self._contexts = [
+            torch.amp.autocast(device_type=device_type, **dict(device_kwargs))
+            if device_kwargs is not None
+            else _NOTHING,
+            torch.amp.autocast("cpu", **dict(cpu_kwargs)),
+        ]
+
+    def __enter__(self) -> None:
+        for context in self._contexts:
+            context.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for context in reversed(self._contexts):
+            context.__exit__(*exc)
+
+
+def _autocast_state(device_type: str) -> tuple[Any, ...]:
+    """The autocast keywords torch's checkpoint records (``_get_autocast_kwargs``)."""
+    cache = torch.is_autocast_cache_enabled()
+    device = (
+        (
+            ("enabled", torch.is_autocast_enabled(device_type)),
+            ("dtype", torch.get_autocast_dtype(device_type)),
+            ("cache_enabled", cache),
+        )
+        if torch.amp.is_autocast_available(device_type)
+        else None
+    )
+    cpu = (
+        ("enabled", torch.is_autocast_enabled("cpu")),
+        ("dtype", torch.get_autocast_dtype("cpu")),
+        ("cache_enabled", cache),
+    )
+    return (device_type, device, cpu)
+
+
+def run(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    forward_context: Any,
+    recompute_context: Any,
+    determinism_check: str,
+    early_stop: bool,
+) -> Any:
+    """``fn(*args, **kwargs)`` as a non-reentrant checkpoint, its first forward inside
+    ``forward_context`` and every recompute inside ``recompute_context``.
+
+    Example
+    -------
+    >>> import contextlib, torch
+    >>> from scopedckpt import _eager_checkpoint
+    >>> x = torch.ones(3, requires_grad=True)
+    >>> y = _eager_checkpoint.run(torch.sin, (x,), {}, contextlib.nullcontext(),
+    ...                           contextlib.nullcontext(), "default", True)
+    >>> y.sum().backward()
+    >>> torch.equal(x.grad, torch.cos(x.detach()))
+    True
+    """
+    if determinism_check == "default":
+        metadata_fn: Callable[[torch.Tensor], Any] | None = _default_metadata
+    elif determinism_check == "none":
+        metadata_fn = None
+    else:
+        metadata_fn = _torch_private.determinism_check_fn(determinism_check)
+    override = _torch_private.early_stop_override()
+    frame = _Frame(
+        fn, kwargs, recompute_context, metadata_fn, early_stop if override is None else override
+    )
+    frame.autocast = _autocast_state(_device_type(args))
+    saved_tensor = _torch_private.make_saved_tensor
+    frame.args = [
+        (True, saved_tensor(a)) if isinstance(a, torch.Tensor) else (False, a) for a in args
+    ]
+
+    placeholders = frame.placeholders
+    metadata = frame.metadata
+    default = metadata_fn is _default_metadata
+
+    def pack(x: torch.Tensor) -> _Placeholder:
+        placeholder = _Placeholder(len(placeholders))
+        placeholders.append(weakref.ref(placeholder))
+        if default:
+            metadata.append((x.shape, x.dtype, x.device))
+        elif metadata_fn is not None:
+            # Through ``frame``, a variable of this hook by that name, as in torch's: a
+            # check may turn early stop off from inside (NOTE [ late writes ]).
+            with torch.no_grad():
+                metadata.append(frame.metadata_fn(x))  # type: ignore[misc]  # not None here
+        return placeholder
+
+    def unpack(placeholder: _Placeholder) -> torch.Tensor:
+        key = _torch_private.graph_task_key()
+        slots = frame.recomputed.get(key)
+        if slots is None:
+            frame.recompute(key)
+            slots = frame.recomputed[key]
+        tensor = slots[placeholder.index]
+        if tensor is _UNPACKED:
+            raise CheckpointError(
+                "torch.utils.checkpoint: Unpack is being triggered for a tensor that was "
+                "already unpacked once. If you are calling ctx.saved_tensors in backward, "
+                "make sure to do so only once. Otherwise please open an issue with details "
+                "on your use case."
+            )
+        slots[placeholder.index] = _UNPACKED
+        return tensor
+
+    failed = False
+    with _torch_private.internal_hooks(pack, unpack), forward_context:
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException:
+            failed = True
+            raise
+    if failed:  # the forward context suppressed the error: torch refuses that too
+        raise RuntimeError(
+            "torch.utils.checkpoint: the forward context provided by context_fn suppressed "
+            "an exception raised during the checkpointed forward. This is not supported "
+            "because checkpoint cannot return a value for a failed forward."
+        )
+    frame.forward_completed = True
+    return result
