@@ -11,7 +11,7 @@ only: with it on, training is not guaranteed exact.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -183,15 +183,5 @@ class RegionPieces:
 def eager_checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` through the eager region's own checkpoint alone, with no contexts and
     torch's default check (what an eager region runs it with, less scopedckpt's mechanisms)."""
-    return _eager_checkpoint.run(fn, args, {}, _NOTHING, _NOTHING, "default", True)
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NOTHING = _Nothing()
+    nothing = nullcontext()
+    return _eager_checkpoint.run(fn, args, {}, nothing, nothing, "default", True)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import time
 import timeit
 from collections import Counter
@@ -120,11 +121,11 @@ def engines(number: int) -> dict[str, float]:
         ),
         "the eager checkpoint": step(lambda: eager_checkpoint(block, x)),
     }
-    timed = {name: 0.0 for name in variants}
+    timed = {name: math.inf for name in variants}
     for _ in range(5):  # interleaved: both see the same machine state
         for name, function in variants.items():
             seconds = min(timeit.repeat(function, number=number, repeat=3)) / number
-            timed[name] = min(timed[name] or seconds, seconds)
+            timed[name] = min(timed[name], seconds)
     result = {f"{name}, region step in a loop, us": t * 1e6 for name, t in timed.items()}
     result["torch's - the eager checkpoint, us per region"] = (
         timed["torch's checkpoint"] - timed["the eager checkpoint"]

@@ -65,9 +65,8 @@ def usable(options: RegionOptions) -> bool:
     """Whether an eager region with these options can run here (NOTE [ eager checkpoint ]):
     no caller's ``context_fn`` or ``respect_saved_tensors_hooks``, no torch function or
     dispatch mode active (a device context, a trace)."""
-    context_fn = options.context_fn
     return (
-        (context_fn is None or context_fn is _torch_private.NOOP_CONTEXT_FN)
+        options.caller_context_fn is None
         and options.respect_saved_tensors_hooks is None
         and not _torch_private.modes_active()
     )
@@ -109,17 +108,22 @@ class _Frame:
     def __init__(
         self,
         fn: Callable[..., Any],
+        args: tuple[Any, ...],
         kwargs: dict[str, Any],
         recompute_context: Any,
         metadata_fn: Callable[[torch.Tensor], Any] | None,
         early_stop: bool,
     ) -> None:
         self.fn = fn
+        saved = _torch_private.make_saved_tensor
+        # (saved as autograd saves a node's input, argument)
+        self.args = [(True, saved(a)) if isinstance(a, torch.Tensor) else (False, a) for a in args]
         self.kwargs = kwargs
         self.recompute_context = recompute_context
         self.metadata_fn = metadata_fn
-        self.early_stop = early_stop
-        self.args: list[tuple[bool, Any]] = []  # (saved as autograd saves, argument)
+        override = _torch_private.early_stop_override()
+        self.early_stop = early_stop if override is None else override
+        self.autocast = _autocast_state(_device_type(args))
         self.placeholders: list[weakref.ReferenceType[_Placeholder]] = []
         self.metadata: list[Any] = []
         # graph task -> the recomputed tensor of each placeholder (None: not collected,
@@ -128,7 +132,6 @@ class _Frame:
         self.counts: dict[Any, int] = {}  # graph task -> tensors its recompute saved so far
         self.forward_completed = False
         self.ignore_saved_mismatch = False
-        self.autocast: tuple[Any, ...] = ()
 
     def recompute(self, key: Any) -> None:
         """Run the region again, collecting what its first forward saved."""
@@ -175,9 +178,10 @@ class _Frame:
             if saved != recomputed:
                 different.append((index, saved, recomputed))
         if different:
+            shown = _shown if metadata_fn is _default_metadata else _identity
             tensors = "".join(
-                f"tensor at position {index}:\nsaved metadata: {_shown(saved)}\n"
-                f"recomputed metadata: {_shown(recomputed)}\n"
+                f"tensor at position {index}:\nsaved metadata: {shown(saved)}\n"
+                f"recomputed metadata: {shown(recomputed)}\n"
                 for index, saved, recomputed in different
             )
             raise CheckpointError(
@@ -217,10 +221,9 @@ def _collector(frame_ref: weakref.ReferenceType[_Frame], key: Any) -> Callable[[
     return pack
 
 
-def _shown(metadata: Any) -> Any:
-    if isinstance(metadata, tuple) and len(metadata) == 3:
-        return {"shape": metadata[0], "dtype": metadata[1], "device": metadata[2]}
-    return metadata
+def _shown(metadata: tuple[Any, ...]) -> dict[str, Any]:
+    """:func:`_default_metadata` as torch's default check shows it."""
+    return {"shape": metadata[0], "dtype": metadata[1], "device": metadata[2]}
 
 
 def _identity(x: Any) -> Any:
@@ -331,15 +334,7 @@ def run(
         metadata_fn = None
     else:
         metadata_fn = _torch_private.determinism_check_fn(determinism_check)
-    override = _torch_private.early_stop_override()
-    frame = _Frame(
-        fn, kwargs, recompute_context, metadata_fn, early_stop if override is None else override
-    )
-    frame.autocast = _autocast_state(_device_type(args))
-    saved_tensor = _torch_private.make_saved_tensor
-    frame.args = [
-        (True, saved_tensor(a)) if isinstance(a, torch.Tensor) else (False, a) for a in args
-    ]
+    frame = _Frame(fn, args, kwargs, recompute_context, metadata_fn, early_stop)
 
     placeholders = frame.placeholders
     metadata = frame.metadata
@@ -349,7 +344,7 @@ def run(
         placeholder = _Placeholder(len(placeholders))
         placeholders.append(weakref.ref(placeholder))
         if default:
-            metadata.append((x.shape, x.dtype, x.device))
+            metadata.append((x.shape, x.dtype, x.device))  # _default_metadata, inlined
         elif metadata_fn is not None:
             # Through ``frame``, a variable of this hook by that name, as in torch's: a
             # check may turn early stop off from inside (NOTE [ late writes ]).

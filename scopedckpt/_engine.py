@@ -231,8 +231,8 @@ def region_context_fn(
     def ours() -> tuple[Any, Any]:
         return forward, recompute
 
-    context_fn = options.context_fn
-    if context_fn is None or context_fn is _torch_private.NOOP_CONTEXT_FN:
+    context_fn = options.caller_context_fn
+    if context_fn is None:
         return fn, ours
     return fn, compose(ours, context_fn)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._contexts import ContextFn
+from ._torch_private import NOOP_CONTEXT_FN
 
 __all__ = ["DEFAULT_OPTIONS", "DETERMINISM_CHECKS", "RegionOptions"]
 
@@ -59,6 +60,13 @@ class RegionOptions:
         if self.respect_saved_tensors_hooks is not None:  # torch >= 2.14 (checked by checkpoint())
             keywords["respect_saved_tensors_hooks"] = self.respect_saved_tensors_hooks
         return keywords
+
+    @property
+    def caller_context_fn(self) -> ContextFn | None:
+        """The caller's ``context_fn``; None where there is none or it is torch's no-op
+        default."""
+        context_fn = self.context_fn
+        return None if context_fn is NOOP_CONTEXT_FN else context_fn
 
     @functools.cached_property
     def eager_keywords(self) -> dict[str, Any]:

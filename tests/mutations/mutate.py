@@ -319,8 +319,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "user_context_fn_dropped",
         "scopedckpt/_engine.py",
-        "    if context_fn is None or context_fn is _torch_private.NOOP_CONTEXT_FN:",
-        "    if True:",
+        "    context_fn = options.caller_context_fn\n    if context_fn is None:",
+        "    context_fn = options.caller_context_fn\n    if True:",
         ("tests/test_dropin.py",),
         "checkpoint(context_fn=...) silently ignores the user's contexts",
     ),
@@ -1203,7 +1203,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "eager_inputs_held_not_saved",
         "scopedckpt/_eager_checkpoint.py",
-        "(True, saved_tensor(a)) if isinstance(a, torch.Tensor) else (False, a)",
+        "(True, saved(a)) if isinstance(a, torch.Tensor) else (False, a)",
         "(False, a)",
         ("tests/test_eager_checkpoint.py",),
         "a nested region holds its input, an activation the outer region should drop",
@@ -1243,8 +1243,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "eager_never_taken",
         "scopedckpt/_eager_checkpoint.py",
-        "    context_fn = options.context_fn\n    return (",
-        "    context_fn = options.context_fn\n    return False and (",
+        "    return (\n        options.caller_context_fn is None",
+        "    return False and (\n        options.caller_context_fn is None",
         ("tests/test_eager_checkpoint.py",),
         "every eager region goes through torch's checkpoint (the per-call cost comes back)",
     ),
