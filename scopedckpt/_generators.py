@@ -15,12 +15,13 @@ Python call per torch call (a ``TorchFunctionMode``). So a region stashes, when 
 starts (before any use, as the default generators are stashed):
 
 * the generators it can reach without running (:func:`reachable`): its
-  arguments; its function's partial arguments and closure cells; the globals
-  its function's code reads; and, for the module it runs and every module
-  among those, each attribute of a module in its subtree and each global a
-  subtree module's ``forward`` reads (listed with the subtree, ``_subtree.py``,
-  and looked up again at every region, so a reassigned attribute is the new
-  generator);
+  arguments (and the lists, tuples and dicts among them); its function's
+  partial arguments and closure cells; the generators its function's code
+  reads; and, for the module it runs and every module among those, the places
+  the subtree's listing holds (``_subtree.py``): what its modules' attributes,
+  their classes and their code reach, searched once per listing (NOTE
+  [ generator places ] in ``_reach.py``) and followed again at every region,
+  so a reassigned attribute or element is the new generator;
 * the generators verified first forwards of its site were seen to use: a
   *verified* first forward (``determinism_check="bitwise"``: by default the
   first call of each region site and every 64th, NOTE [ sampled
@@ -34,15 +35,21 @@ put them back (the outer recompute's later draws must see the stream advanced
 past it), as for the default generators.
 
 So a generator a region can reach is replayed from its first use, verified
-or not, and one it uses at every call from the first step. The limit: a
-generator reached only through something else (an element of a list, an
-attribute of an object that is not a module, a global read by a helper
-function rather than by a forward), and first used on a call that is not
-verified, is not seen until the next verified call of the site; that call's
-verification raises where its draws reach a saved tensor. Scoped layers given
-``generator=`` record their seeds; a recompute that replays their generator
-draws each seed again (NOTE [ aligned draws ] in ``_dropout.py``), so that
-unscoped ops sharing the generator draw what they drew in the first forward.
+or not, and one it uses at every call from the first step. A generator a
+forward makes and keeps in a slot (an attribute that held None, a list that
+was empty, of a module whose code names ``Generator``) is made again by each
+recompute: the recompute empties the slot while it runs, then puts the first
+forward's generator back. The limit: a generator that no searched place or
+slot held when the subtree was listed (one a helper makes and keeps in a new
+attribute, a hook registered later), or that only an installed library's
+code reads as a global, first used on a call that is not verified, is not
+seen until the next verified call of the site; that call's watch stashes it,
+and remembers it for the site's later calls.
+
+Scoped layers given ``generator=`` record their seeds; a recompute that
+replays their generator draws each seed again (NOTE [ aligned draws ] in
+``_dropout.py``), so that unscoped ops sharing the generator draw what they
+drew in the first forward.
 The generators scoped layers build masks with (``_mask.py``, reseeded at every
 use) are never stashed, like the default ones.
 
@@ -57,6 +64,7 @@ difference).
 from __future__ import annotations
 
 import functools
+import types
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -67,9 +75,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ._mask import MASK_GENERATORS
+from ._reach import Place, follow, function_places
 from ._sampling import site_of
+from ._slots import empty_for_recompute
 from ._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape
-from ._subtree import Listing, global_generators_of, subtree
+from ._subtree import Listing, subtree
 
 __all__ = ["FRAME_PHASES", "Generators", "Stash", "enter_frame", "reachable", "start_region"]
 
@@ -88,6 +98,9 @@ class Generators:
     # too (that sees nothing), so that compiled code in the region, which dynamo compiles
     # for the torch function modes in force, saves the same tensors in both.
     watched: bool
+    # The slots of its module's subtree that held no generator when it started (NOTE
+    # [ generator slots ]): its recomputes empty those its first forward filled.
+    empty: list[Place]
 
 
 class _Sites:
@@ -128,58 +141,63 @@ def _remember(call: RegionCall, generator: torch.Generator) -> None:
         entry[1].append(weakref.ref(generator))
 
 
-def _function_places(fn: object) -> list[object]:
-    """What a region's function carries that may be a generator: a partial's arguments, a
-    closure's cells, and the generators its code reads as globals (NOTE [ explicit
-    generators ])."""
+def _function_places(fn: object) -> tuple[list[object], object, tuple[Place, ...]]:
+    """What a region's function carries that may be a generator (a partial's arguments, a
+    closure's cells), the function its places start from, and the places of the
+    generators its code reads (NOTE [ generator places ], cached per code object)."""
     places: list[object] = []
     if isinstance(fn, nn.Module):  # its subtree's listing covers its forward
-        return places
+        return places, None, ()
     if isinstance(fn, functools.partial):
         places.extend(fn.args)
         places.extend(fn.keywords.values())
         fn = fn.func
     fn = getattr(fn, "__func__", fn)
     code = getattr(fn, "__code__", None)
-    if code is None:
-        return places
-    for cell in getattr(fn, "__closure__", None) or ():
+    if code is None or not isinstance(fn, types.FunctionType):
+        return places, None, ()
+    for cell in fn.__closure__ or ():
         try:
             places.append(cell.cell_contents)
         except ValueError:  # an empty cell
             pass
-    read = _Globals.by_code.get(code)
+    read = _Code.places.get(code)
     if read is None:
-        if len(_Globals.by_code) >= 4096:
-            _Globals.by_code.clear()
-        read = _Globals.by_code[code] = global_generators_of(fn)
-    places.extend(namespace.get(name) for namespace, name in read)
-    return places
+        if len(_Code.places) >= 4096:
+            _Code.places.clear()
+        read = _Code.places[code] = function_places(fn)
+    return places, fn, read
 
 
-class _Globals:
-    """The global generators each region function's code reads, by code object."""
+class _Code:
+    """The generator places each region function's code reads, by code object."""
 
-    by_code: ClassVar[dict[Any, tuple[tuple[dict[str, Any], str], ...]]] = {}
+    places: ClassVar[dict[Any, tuple[Place, ...]]] = {}
 
 
-def reachable(call: RegionCall) -> list[torch.Generator]:
+def reachable(call: RegionCall, empty: list[Place] | None = None) -> list[torch.Generator]:
     """The generators the region can reach without running: its arguments, its function's
-    partial arguments and closure, the globals its code reads, and for each module among
-    these (and the module it runs) the attributes of the modules in its subtree and the
-    globals their forwards read (NOTE [ explicit generators ])."""
+    partial arguments and closure, those its function's code reads, and for each module
+    among these (and the module it runs) the places and slots of its subtree's listing
+    (NOTE [ generator places ]); ``empty`` collects the slots of the module's subtree that
+    hold none."""
     found: list[torch.Generator] = []
     module = call.module
     if module is not None:
         listing = call.listing if call.listing is not None else subtree(module)
-        if listing.generators or listing.global_generators:
-            _listed(listing, found)
+        if listing.generators or listing.later:
+            _listed(listing, found, empty)
     _scan(call.args, module, found)
     if call.kwargs:
         _scan(call.kwargs.values(), module, found)
     fn = call.fn
     if fn is not module:
-        _scan(_function_places(fn), module, found)
+        places, start, read = _function_places(fn)
+        _scan(places, module, found)
+        for place in read:
+            generator = follow(place, start)
+            if generator is not None:
+                _add(found, generator)
     if found:
         defaults = _defaults()
         found = [g for g in found if id(g) not in defaults]
@@ -192,40 +210,51 @@ def _add(found: list[torch.Generator], generator: torch.Generator) -> None:
 
 
 def _scan(places: Iterable[object], module: nn.Module | None, found: list[torch.Generator]) -> None:
-    """Add the generators among ``places``, and those the modules among them reach."""
+    """Add the generators among ``places`` and in the lists, tuples and dicts among them,
+    and those the modules among them reach."""
     for place in places:
         kind = type(place)
         if kind is torch.Tensor:
             continue
         if kind is torch.Generator:
             _add(found, place)  # type: ignore[arg-type]
-        elif isinstance(place, nn.Module) and place is not module:
-            _listed(subtree(place), found)
+        elif isinstance(place, nn.Module):
+            if place is not module:
+                _listed(subtree(place), found)
+        elif kind is list or kind is tuple:
+            _scan([p for p in place if type(p) is torch.Generator], module, found)  # type: ignore[attr-defined]
+        elif kind is dict:
+            _scan([p for p in place.values() if type(p) is torch.Generator], module, found)  # type: ignore[attr-defined]
 
 
-def _listed(listing: Listing, found: list[torch.Generator]) -> None:
-    """Add the generators a subtree's listing says where to find."""
-    for holder_ref, name in listing.generators:
-        holder = holder_ref()
-        value = None if holder is None else vars(holder).get(name)
-        if type(value) is torch.Generator:
-            _add(found, value)
-    for namespace, name in listing.global_generators:
-        value = namespace.get(name)
-        if type(value) is torch.Generator:
-            _add(found, value)
+def _listed(
+    listing: Listing, found: list[torch.Generator], empty: list[Place] | None = None
+) -> None:
+    """Add the generators at the places and slots a subtree's listing names; ``empty``
+    collects the slots that hold none."""
+    for place in listing.generators:
+        generator = follow(place)
+        if generator is not None:
+            _add(found, generator)
+    for slot in listing.later:
+        generator = follow(slot)
+        if generator is not None:
+            _add(found, generator)
+        elif empty is not None:
+            empty.append(slot)
 
 
 def start_region(tape: Tape, call: RegionCall) -> bool:
     """Stash the generators the region can reach or its site was seen to use; acts where
     there are some, or where the first forward is verified (and watched)."""
-    known = reachable(call)
+    empty: list[Place] = []
+    known = reachable(call, empty)
     for generator in _known(call):
         _add(known, generator)
     watched = call.determinism_check == "bitwise"
-    if not known and not watched:
+    if not known and not watched and not empty:
         return False
-    tape.generators = Generators([(g, g.get_state()) for g in known], watched)
+    tape.generators = Generators([(g, g.get_state()) for g in known], watched, empty)
     return True
 
 
@@ -285,18 +314,30 @@ def enter_frame(frame: Frame) -> Callable[..., None] | None:
     found = [(g, g.get_state()) for g, _ in stash]
     for generator, state in stash:
         generator.set_state(state)
+    # Slots the first forward filled: emptied, so the recompute makes its generator again
+    # (NOTE [ generator slots ]). Nested, replayed in its parent's recompute: left alone,
+    # as the generators run on; a module parent's recompute empties them itself.
+    refill = (
+        [r for slot in generators.empty if (r := empty_for_recompute(slot))] if frame.rewind else []
+    )
     watch: _Watch | None = None
     if generators.watched:
         watch = _Watch(None, None)
         watch.__enter__()
-    if not found and watch is None:
+    if not found and watch is None and not refill:
         return None
     # Nested, replayed in its parent's recompute: the generators run on.
-    return functools.partial(_put_back, found if frame.rewind else [], watch)
+    return functools.partial(_put_back, found if frame.rewind else [], watch, refill)
 
 
-def _put_back(found: Stash, watch: _Watch | None, *exc: object) -> None:
-    if watch is not None:
-        watch.__exit__(*exc)
-    for generator, state in found:
-        generator.set_state(state)
+def _put_back(
+    found: Stash, watch: _Watch | None, refill: list[Callable[[], None]], *exc: object
+) -> None:
+    try:
+        if watch is not None:
+            watch.__exit__(*exc)
+    finally:
+        for put in refill:
+            put()
+        for generator, state in found:
+            generator.set_state(state)

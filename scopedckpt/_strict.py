@@ -95,11 +95,13 @@ class _UnscopedRandomDetector(TorchDispatchMode):
             if _explicit_generator(bound_arguments(func, args, kwargs)):
                 raise ScopedCkptError(
                     f"scopedckpt: strict mode found the random op {func} drawing from a "
-                    "torch.Generator of its own inside a checkpoint region. The recompute "
-                    "rewinds only torch's default generators, so it would draw different "
-                    "numbers and the gradients would be silently wrong. Use a scoped layer "
-                    "with generator=... (scopedckpt.Dropout(p, generator=g)), or draw from "
-                    "the default generator, or draw outside the region."
+                    "torch.Generator of its own inside a checkpoint region. It is replayed "
+                    "from the region's stash of explicit generators where the region reaches "
+                    "the generator (an attribute or class attribute of its modules, a "
+                    "container or object they hold, a global their code reads), but strict "
+                    "mode asks for scoped layers: use one with generator=... "
+                    "(scopedckpt.Dropout(p, generator=g)), or draw from the default "
+                    "generator, or draw outside the region."
                 )
             raise ScopedCkptError(
                 f"scopedckpt: strict mode found the random op {func} inside a checkpoint "

@@ -23,13 +23,14 @@ from torch.nn.modules import module as torch_module
 from torch.nn.parameter import is_lazy
 
 from ._module_state import guarded
+from ._reach import Place, subtree_places
+from ._slots import subtree_slots
 from ._torch_private import module_buffers, module_parameters
 
 __all__ = [
     "LATE_WRITERS",
     "Listing",
     "current_parameters",
-    "global_generators_of",
     "may_write_parameters",
     "subtree",
 ]
@@ -57,11 +58,12 @@ class Listing:
     # guard guards when called (scoped batch norm keeps its own)
     buffers: tuple[tuple[str, weakref.ref[nn.Module], str], ...]
     late: tuple[weakref.ref[nn.Module], ...]  # its LATE_WRITERS layers
-    # _generators: where the subtree holds a torch.Generator: (module, attribute name) of
-    # each module attribute that was one, and (namespace, name) of each global name a
-    # module's forward reads that was one (looked up at each use: they may be reassigned)
-    generators: tuple[tuple[weakref.ref[nn.Module], str], ...]
-    global_generators: tuple[tuple[dict[str, Any], str], ...]
+    # _generators: the places where the subtree, or the code its modules run, held a
+    # torch.Generator (NOTE [ generator places ] in _reach.py; followed at each use: they
+    # may be reassigned)
+    generators: tuple[Place, ...]
+    # where its forwards may keep generators they make (NOTE [ generator slots ])
+    later: tuple[Place, ...]
     # _written: the buffers (module's qualified name, buffer name) and parameters (indices)
     # regions over this module were seen to write, and whether they still copy all of
     # them (until one is recomputed)
@@ -128,19 +130,6 @@ def may_write_parameters(module: nn.Module) -> bool:
     return getattr(module, "max_norm", None) is not None or isinstance(module, nn.RNNBase)
 
 
-def global_generators_of(function: object) -> tuple[tuple[dict[str, Any], str], ...]:
-    """The global names ``function``'s own code reads that hold a ``torch.Generator``
-    (as (its globals, name)): how a forward reaches a module-level generator."""
-    function = getattr(function, "__func__", function)
-    code = getattr(function, "__code__", None)
-    namespace = getattr(function, "__globals__", None)
-    if code is None or namespace is None:
-        return ()
-    return tuple(
-        (namespace, name) for name in code.co_names if type(namespace.get(name)) is torch.Generator
-    )
-
-
 def subtree(owner: nn.Module) -> Listing:
     """The listing of ``owner``'s subtree, made again when any module registered anything."""
     if not _Listing.installed:
@@ -176,19 +165,8 @@ def subtree(owner: nn.Module) -> Listing:
         if b is not None
     )
     late = tuple(weak[id(m)] for _, m in modules if isinstance(m, LATE_WRITERS))
-    generators = tuple(
-        (weak[id(module)], name)
-        for _, module in modules
-        for name, value in vars(module).items()
-        if type(value) is torch.Generator
-    )
-    global_generators = tuple(
-        {
-            (id(namespace), name): (namespace, name)
-            for cls in {type(m) for _, m in modules}
-            for namespace, name in global_generators_of(cls.forward)
-        }.values()
-    )
+    generators = subtree_places(module for _, module in modules)
+    later = subtree_slots(module for _, module in modules)
     if len(_Listing.by_owner) >= 4096:
         _Listing.by_owner.clear()
     forget = functools.partial(_forget, id(owner))
@@ -201,7 +179,7 @@ def subtree(owner: nn.Module) -> Listing:
         buffers,
         late,
         generators,
-        global_generators,
+        later,
     )
     _Listing.by_owner[id(owner)] = listing
     return listing

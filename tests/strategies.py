@@ -189,16 +189,45 @@ class InPlaceWeight(nn.Module):
         return x + 0.125 * self.weight.view(_channels(x))
 
 
-class OwnGenerator(nn.Module):
-    """Adds noise drawn from a generator of its own (NOTE [ explicit generators ]: a module
-    attribute, so every region over it stashes the generator)."""
+class _Holder:
+    """A plain object holding a generator."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+
+class OwnGenerator(nn.Module):
+    """Adds noise drawn from a generator of its own, held as ``held`` says (NOTE
+    [ generator places ] in ``_reach.py``: wherever it is held, every region over it
+    stashes the generator)."""
+
+    HELD = ("attribute", "list", "dict", "object")
+
+    def __init__(self, seed: int, held: str = "attribute") -> None:
         super().__init__()
-        self.generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator().manual_seed(seed)
+        self.held = held
+        if held == "attribute":
+            self.generator = generator
+        elif held == "list":
+            self.generators = [generator]
+        elif held == "dict":
+            self.by_name = {"noise": generator}
+        else:
+            self.holder = _Holder(generator)
+
+    def own(self) -> torch.Generator:
+        """The generator, from where it is held."""
+        if self.held == "attribute":
+            return self.generator
+        if self.held == "list":
+            return self.generators[0]
+        if self.held == "dict":
+            return self.by_name["noise"]
+        return self.holder.generator
 
     def forward(self, x: Tensor) -> Tensor:
-        return x + 0.125 * torch.randn(x.shape, generator=self.generator)
+        return x + 0.125 * torch.randn(x.shape, generator=self.own())
 
 
 class SharedGenerator(nn.Module):
@@ -243,7 +272,7 @@ def layers(draw: st.DrawFn, rank: int, c: int, generators: bool = True) -> nn.Mo
     kinds += ["own_generator", "shared_generator"] if generators else []
     kind = draw(st.sampled_from(kinds))
     if kind == "own_generator":
-        return OwnGenerator(draw(st.integers(0, 2**16)))
+        return OwnGenerator(draw(st.integers(0, 2**16)), draw(st.sampled_from(OwnGenerator.HELD)))
     if kind == "shared_generator":
         return SharedGenerator(draw(st.integers(0, 2**16)), draw(probabilities))
     if kind == "banked":

@@ -1,10 +1,17 @@
-"""Explicit generators (``generator=g``) in regions: found by verified first forwards,
+"""Explicit generators (``generator=g``) in regions: found where a region can reach them
+(NOTE [ generator places ] in ``_reach.py``) and by verified first forwards, made again by
+recomputes where a forward makes and keeps them (NOTE [ generator slots ] in ``_slots.py``),
 stashed at every region of their site, replayed by recomputes (NOTE [ explicit
 generators ] in ``_generators.py``; issue 25, hole 6)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
+import types
+import weakref
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -66,56 +73,278 @@ def test_a_region_drawing_from_its_own_generator_trains_bit_identically(last: bo
     assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
 
 
-# A module-level generator, read by Global's forward (a script's ``G = torch.Generator()``).
-GLOBAL_GENERATOR = torch.Generator().manual_seed(11)
+# Generators Gated blocks reach, each its own way: a script's module-level generator, one
+# a helper function reads, one in a helper module (``noise_helpers.GENERATOR``).
+GLOBAL_GENERATOR = torch.Generator()
+HELPER_GENERATOR = torch.Generator()
+NOISE = types.ModuleType("noise_helpers")
+NOISE.GENERATOR = torch.Generator()  # type: ignore[attr-defined]
+
+
+def _helper_draw(shape: torch.Size) -> torch.Tensor:
+    return torch.randn(shape, generator=HELPER_GENERATOR)
+
+
+class Sampler:
+    """A plain object holding a generator."""
+
+    def __init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(7)
 
 
 class Gated(nn.Module):
     """Draws from a generator only once ``noisy`` is set, which the training loop does
-    after the first step (a branch the site's first, verified call never takes); the
-    generator is reached the way ``reach`` says."""
+    after the first step (a branch the site's first, verified call never takes): from the
+    one it is given, else from the one its subclass reaches (:meth:`draw`), each in its
+    own code, so that each reaches only its own."""
 
-    def __init__(self, reach: str) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(4, 4)
-        self.reach = reach
         self.noisy = False
-        if reach == "attribute":
-            self.generator = torch.Generator().manual_seed(7)
-        elif reach == "list":  # not a place a region is looked at for generators
-            self.generators = [torch.Generator().manual_seed(7)]
 
-    def noise(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    def draw(self, shape: torch.Size) -> torch.Tensor:
+        raise NotImplementedError
+
+    def generator_now(self) -> torch.Generator:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         if not self.noisy:
-            return torch.zeros_like(x)
-        if generator is None:
-            generator = {
-                "attribute": lambda: self.generator,
-                "global": lambda: GLOBAL_GENERATOR,
-                "list": lambda: self.generators[0],
-            }[self.reach]()
-        return torch.randn(x.shape, generator=generator)
-
-    def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        return self.linear(x + self.noise(x, generator)).tanh()
+            noise = torch.zeros_like(x)
+        elif generator is not None:
+            noise = torch.randn(x.shape, generator=generator)
+        else:
+            noise = self.draw(x.shape)
+        return self.linear(x + noise).tanh()
 
 
-class GlobalGated(Gated):
-    """Gated, whose forward reads the module-level generator by name."""
+class Attribute(Gated):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(7)
 
-    def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        assert GLOBAL_GENERATOR is not None  # read here, in the forward's own code
-        return super().forward(x, generator)
+    def draw(self, shape: torch.Size) -> torch.Tensor:
+        return torch.randn(shape, generator=self.generator)
+
+    def generator_now(self) -> torch.Generator:
+        return self.generator
 
 
-def _gated_generator(block: Gated, argument: torch.Generator | None) -> torch.Generator:
-    if argument is not None:
-        return argument
-    return {
-        "attribute": lambda: block.generator,
-        "global": lambda: GLOBAL_GENERATOR,
-        "list": lambda: block.generators[0],
-    }[block.reach]()
+class Global(Gated):
+    def draw(self, shape: torch.Size) -> torch.Tensor:
+        return torch.randn(shape, generator=GLOBAL_GENERATOR)
+
+    def generator_now(self) -> torch.Generator:
+        return GLOBAL_GENERATOR
+
+
+class Listed(Gated):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generators = [torch.Generator().manual_seed(7)]
+
+    def draw(self, shape: torch.Size) -> torch.Tensor:
+        return torch.randn(shape, generator=self.generators[0])
+
+    def generator_now(self) -> torch.Generator:
+        return self.generators[0]
+
+
+class Keyed(Gated):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generators = {"noise": torch.Generator().manual_seed(7)}
+
+    def draw(self, shape: torch.Size) -> torch.Tensor:
+        return torch.randn(shape, generator=self.generators["noise"])
+
+    def generator_now(self) -> torch.Generator:
+        return self.generators["noise"]
+
+
+class Held(Gated):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sampler = Sampler()
+
+    def draw(self, shape: torch.Size) -> torch.Tensor:
+        return torch.randn(shape, generator=self.sampler.generator)
+
+    def generator_now(self) -> torch.Generator:
+        return self.sampler.generator
+
+
+class Bound(Gated):
+    """Draws through a partial it holds (``functools.partial(torch.randn, generator=g)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.randn = functools.partial(torch.randn, generator=torch.Generator().manual_seed(7))
+
+    def draw(self, shape: torch.Size) -> torch.Tensor:
+        return self.randn(shape)
+
+    def generator_now(self) -> torch.Generator:
+        return self.randn.keywords["generator"]
+
+
+class Helper(Gated):
+    def draw(self, shape: torch.Size) -> torch.Tensor:
+        return _helper_draw(shape)
+
+    def generator_now(self) -> torch.Generator:
+        return HELPER_GENERATOR
+
+
+class InModule(Gated):
+    def draw(self, shape: torch.Size) -> torch.Tensor:
+        return torch.randn(shape, generator=NOISE.GENERATOR)
+
+    def generator_now(self) -> torch.Generator:
+        return NOISE.GENERATOR  # type: ignore[no-any-return]
+
+
+class ClassAttribute(Gated):
+    GENERATOR = torch.Generator()
+
+    def draw(self, shape: torch.Size) -> torch.Tensor:
+        return torch.randn(shape, generator=self.GENERATOR)
+
+    def generator_now(self) -> torch.Generator:
+        return self.GENERATOR
+
+
+def _noise_hook(generator: torch.Generator) -> Callable[..., torch.Tensor | None]:
+    """A forward hook adding noise from ``generator`` to a noisy Gated block's output."""
+
+    def hook(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor | None:
+        if not isinstance(module, Gated) or not module.noisy:
+            return None
+        return output + torch.randn(output.shape, generator=generator)
+
+    return hook
+
+
+def _hook_generator(hook: Callable[..., object]) -> torch.Generator:
+    (cell,) = hook.__closure__  # type: ignore[attr-defined]
+    return cell.cell_contents  # type: ignore[no-any-return]
+
+
+class Hooked(Gated):
+    """Draws in a forward hook of its own, a closure over the generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_forward_hook(_noise_hook(torch.Generator().manual_seed(7)))
+
+    def draw(self, shape: torch.Size) -> torch.Tensor:
+        return torch.zeros(shape)
+
+    def generator_now(self) -> torch.Generator:
+        return _hook_generator(next(iter(self._forward_hooks.values())))
+
+
+class GloballyHooked(Gated):
+    """Draws in a global forward hook (registered by the training loop, GLOBAL_HOOK)."""
+
+    def draw(self, shape: torch.Size) -> torch.Tensor:
+        return torch.zeros(shape)
+
+    def generator_now(self) -> torch.Generator:
+        # the registered hook, not GLOBAL_HOOK by name: code the block's class runs reads
+        # no name that leads to the generator
+        (hook,) = torch.nn.modules.module._global_forward_hooks.values()
+        return _hook_generator(hook)
+
+
+GLOBAL_HOOK = _noise_hook(torch.Generator())
+
+
+class Late(Gated):
+    """Makes its generator at its first draw and keeps it in a list that was empty: its
+    code names ``Generator``, so the list's first element is a place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generators: list[torch.Generator] = []
+
+    def draw(self, shape: torch.Size) -> torch.Tensor:
+        if not self.generators:
+            self.generators.append(torch.Generator().manual_seed(7))
+        return torch.randn(shape, generator=self.generators[0])
+
+    def generator_now(self) -> torch.Generator:
+        return self.generators[0] if self.generators else torch.Generator()  # none yet
+
+
+class Lazy(Gated):
+    """Makes its generator at its first draw, in an attribute that held None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator: torch.Generator | None = None
+
+    def draw(self, shape: torch.Size) -> torch.Tensor:
+        if self.generator is None:
+            self.generator = torch.Generator().manual_seed(7)
+        return torch.randn(shape, generator=self.generator)
+
+    def generator_now(self) -> torch.Generator:
+        return self.generator if self.generator is not None else torch.Generator()  # none yet
+
+
+def _new_generator() -> torch.Generator:
+    return torch.Generator().manual_seed(7)
+
+
+class MadeElsewhere(Gated):
+    """Has a helper make its generator at its first draw, and keeps it in an attribute it
+    did not have before: its own code does not name ``Generator``, and no place held one."""
+
+    def draw(self, shape: torch.Size) -> torch.Tensor:
+        if "generator" not in vars(self):
+            self.generator = _new_generator()
+        return torch.randn(shape, generator=self.generator)
+
+    def generator_now(self) -> torch.Generator:
+        made = vars(self).get("generator")
+        return made if made is not None else torch.Generator()  # none yet
+
+
+# How a block reaches its generator; argument, closure and partial: a function region
+# handed it (by an Attribute block, which holds another).
+KINDS: dict[str, type[Gated]] = {
+    "attribute": Attribute,
+    "global": Global,
+    "list": Listed,
+    "dict": Keyed,
+    "object": Held,
+    "partial attribute": Bound,
+    "helper": Helper,
+    "helper module": InModule,
+    "class attribute": ClassAttribute,
+    "hook": Hooked,
+    "global hook": GloballyHooked,
+    "late": Late,
+    "lazy": Lazy,
+    "made elsewhere": MadeElsewhere,
+    "argument": Attribute,
+    "closure": Attribute,
+    "partial": Attribute,
+}
+GIVEN = ("argument", "closure", "partial")
+
+
+def _reseed() -> None:
+    for generator in (
+        GLOBAL_GENERATOR,
+        HELPER_GENERATOR,
+        NOISE.GENERATOR,
+        ClassAttribute.GENERATOR,
+        _hook_generator(GLOBAL_HOOK),
+    ):
+        generator.manual_seed(11)
 
 
 def _train_gated(
@@ -124,13 +353,14 @@ def _train_gated(
     """Gradients and the generator's state after each step, the block a region reached as
     ``reach`` says: by its module target, or as a function region given the generator
     as an argument, in a closure, or in a partial."""
+    if reach == "global hook":
+        with _global_hook():
+            return _train_gated("global hook, registered", checkpointed, steps, first_noisy)
+    reach = reach.removesuffix(", registered")
     torch.manual_seed(0)
-    GLOBAL_GENERATOR.manual_seed(11)
-    kind = Gated if reach != "global" else GlobalGated
-    block = kind("attribute" if reach in ("argument", "closure", "partial") else reach)
-    given = (
-        torch.Generator().manual_seed(7) if reach in ("argument", "closure", "partial") else None
-    )
+    _reseed()
+    block = KINDS[reach]()
+    given = torch.Generator().manual_seed(7) if reach in GIVEN else None
     head = nn.Linear(4, 1)
     x = torch.randn(3, 4)
     seen: list[torch.Tensor] = []
@@ -146,7 +376,7 @@ def _train_gated(
 
     for step in range(steps):
         block.noisy = step >= first_noisy
-        if checkpointed and reach in ("argument", "closure", "partial"):
+        if checkpointed and reach in GIVEN:
             with scopedckpt.checkpointing():
                 loss = head(region(x)).sum()
         elif checkpointed:
@@ -158,11 +388,11 @@ def _train_gated(
         for p in [*block.parameters(), *head.parameters()]:
             seen.append(p.grad.clone())  # type: ignore[union-attr]
             p.grad = None
-        seen.append(_gated_generator(block, given).get_state())
+        seen.append((given or block.generator_now()).get_state())
     return seen
 
 
-REACHES = ["attribute", "global", "argument", "closure", "partial"]
+REACHES = [reach for reach in KINDS if reach != "made elsewhere"]
 
 
 @pytest.mark.parametrize("reach", REACHES)
@@ -183,22 +413,54 @@ def test_a_reachable_generator_is_replayed_without_verification(reach: str) -> N
     assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
 
 
-def test_a_generator_held_elsewhere_is_found_only_by_verified_calls() -> None:
-    """The limit NOTE [ explicit generators ] states: a generator in a list attribute is
-    not looked for, so a first use on an unverified call goes unseen."""
-    block = Gated("list")
-    call = RegionCall(block, block, DEFAULT_SCOPE, (), {}, True, None, "default", block, block)
-    assert _generators.reachable(call) == []
+@contextlib.contextmanager
+def _global_hook() -> Iterator[None]:
+    handle = torch.nn.modules.module.register_module_forward_hook(GLOBAL_HOOK)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _module_call(module: nn.Module, *args: object) -> RegionCall:
+    return RegionCall(
+        module, module, DEFAULT_SCOPE, args, {}, True, None, "default", module, module
+    )
+
+
+@pytest.mark.parametrize("reach", [r for r in REACHES if r not in (*GIVEN, "late", "lazy")])
+def test_a_region_reaches_its_blocks_generator_and_no_other(reach: str) -> None:
+    block = KINDS[reach]()
+    with _global_hook() if reach == "global hook" else contextlib.nullcontext():
+        assert _generators.reachable(_module_call(block)) == [block.generator_now()]
+
+
+@pytest.mark.parametrize("reach", ["late", "lazy"])
+def test_a_generator_a_forward_makes_is_found_where_it_keeps_it(reach: str) -> None:
+    """A block whose code names Generator: its None attributes and empty lists are
+    places, empty until its forward makes the generator."""
+    block = KINDS[reach]()
+    assert _generators.reachable(_module_call(block)) == []
+    block.noisy = True
+    block(torch.randn(3, 4))
+    assert _generators.reachable(_module_call(block)) == [block.generator_now()]
+
+
+def test_a_generator_put_where_none_was_is_found_only_by_verified_calls() -> None:
+    """The limit NOTE [ generator places ] states: a generator a helper makes, kept in
+    an attribute the block did not have when its subtree was listed, is not looked for,
+    so a first use on an unverified call goes unseen."""
     assert not all(
-        torch.equal(a, b) for a, b in zip(_train_gated("list", False), _train_gated("list", True))
+        torch.equal(a, b)
+        for a, b in zip(_train_gated("made elsewhere", False), _train_gated("made elsewhere", True))
     )
 
 
 def test_a_generator_found_by_a_verified_call_is_replayed_at_the_sites_later_calls() -> None:
     """One the region cannot reach without running, used at every call: the first call
     (verified) finds it, the later ones (not verified) stash it."""
-    plain = _train_gated("list", checkpointed=False, first_noisy=0)
-    checkpointed = _train_gated("list", checkpointed=True, first_noisy=0)
+    plain = _train_gated("made elsewhere", checkpointed=False, first_noisy=0)
+    checkpointed = _train_gated("made elsewhere", checkpointed=True, first_noisy=0)
     assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
 
 
@@ -210,22 +472,51 @@ def test_a_function_region_reaches_the_globals_it_reads_and_the_modules_it_close
     def reads_a_global(t: torch.Tensor) -> torch.Tensor:
         return t + torch.randn(t.shape, generator=GLOBAL_GENERATOR)
 
-    block = Gated("attribute")
+    def calls_a_helper(t: torch.Tensor) -> torch.Tensor:
+        return t + _helper_draw(t.shape)
+
+    def reads_a_helper_module(t: torch.Tensor) -> torch.Tensor:
+        return t + torch.randn(t.shape, generator=NOISE.GENERATOR)
+
+    block = Attribute()
     over_a_module = lambda t: block(t)  # noqa: E731
     assert _generators.reachable(_function_call(reads_a_global)) == [GLOBAL_GENERATOR]
+    assert _generators.reachable(_function_call(calls_a_helper)) == [HELPER_GENERATOR]
+    assert _generators.reachable(_function_call(reads_a_helper_module)) == [NOISE.GENERATOR]
     assert _generators.reachable(_function_call(over_a_module)) == [block.generator]
-    partial = functools.partial(Gated.forward, block)
+    partial = functools.partial(Attribute.forward, block)
     assert _generators.reachable(_function_call(partial)) == [block.generator]
+    listed = [torch.Generator()]
+    assert (
+        _generators.reachable(
+            _function_call(
+                lambda t: t,
+            )
+        )
+        == []
+    )
+    call = RegionCall(
+        None,
+        reads_a_global,
+        DEFAULT_SCOPE,
+        (listed,),
+        {},
+        True,
+        None,
+        "default",
+        None,
+        reads_a_global,
+    )
+    assert _generators.reachable(call) == [listed[0], GLOBAL_GENERATOR]
 
 
 def test_a_region_reaches_the_globals_its_submodules_forwards_read() -> None:
-    outer = nn.Sequential(GlobalGated("global"))
-    call = RegionCall(outer, outer, DEFAULT_SCOPE, (), {}, True, None, "default", outer, outer)
-    assert _generators.reachable(call) == [GLOBAL_GENERATOR]
+    outer = nn.Sequential(Global())
+    assert _generators.reachable(_module_call(outer)) == [GLOBAL_GENERATOR]
 
 
 def test_reachable_finds_each_generator_once_and_never_a_default_one() -> None:
-    block = Gated("attribute")
+    block = Attribute()
     mine = block.generator
     call = RegionCall(
         block,
@@ -243,16 +534,20 @@ def test_reachable_finds_each_generator_once_and_never_a_default_one() -> None:
 
 
 @pytest.mark.usefixtures("no_sampling")
-def test_a_generator_reassigned_after_listing_is_the_one_stashed() -> None:
-    """Attributes are looked up at every region, not remembered: a new generator object
-    under the same name is the one replayed."""
+@pytest.mark.parametrize("reach", ["attribute", "list"])
+def test_a_generator_reassigned_after_listing_is_the_one_stashed(reach: str) -> None:
+    """Places are followed at every region, not remembered: a new generator object
+    under the same name, or at the same index, is the one replayed."""
     torch.manual_seed(0)
-    block = Gated("attribute")
+    block = KINDS[reach]()
     head = nn.Linear(4, 1)
     x = torch.randn(3, 4)
     with scopedckpt.checkpointing(block):
         head(block(x)).sum().backward()
-    block.generator = torch.Generator().manual_seed(7)
+    if reach == "attribute":
+        block.generator = torch.Generator().manual_seed(7)
+    else:
+        block.generators[0] = torch.Generator().manual_seed(7)
     block.noisy = True
     for _ in range(3):
         with scopedckpt.checkpointing(block):
@@ -261,13 +556,30 @@ def test_a_generator_reassigned_after_listing_is_the_one_stashed() -> None:
     reference = torch.Generator().manual_seed(7)
     for _ in range(3):
         torch.randn((3, 4), generator=reference)
-    assert torch.equal(block.generator.get_state(), reference.get_state())
+    assert torch.equal(block.generator_now().get_state(), reference.get_state())
+
+
+def _noise(block: Gated, generator: torch.Generator) -> Callable[[torch.Size], torch.Tensor]:
+    return lambda shape: torch.randn(shape, generator=generator) * block.noisy
+
+
+def test_a_listing_holds_the_places_it_searched_weakly() -> None:
+    """A subtree's generator places start from its modules, classes and functions held
+    weakly: a block that holds a generator (in a closure it keeps, too) goes when dropped."""
+    block = Held()
+    generator = torch.Generator()
+    block.noise = _noise(block, generator)  # a closure over the block and a generator
+    assert _generators.reachable(_module_call(block)) == [block.sampler.generator, generator]
+    gone = weakref.ref(block)
+    del block
+    gc.collect()
+    assert gone() is None
 
 
 def test_a_generator_found_once_is_stashed_by_the_sites_later_calls() -> None:
-    """One the region cannot reach without running (in a list) is found by the verified
-    first call's watch and remembered for the site."""
-    block = Gated("list")
+    """One the region cannot reach without running (made in the forward) is found by the
+    verified first call's watch and remembered for the site."""
+    block = MadeElsewhere()
     block.noisy = True
     x = torch.randn(3, 4)
     with scopedckpt.checkpointing(block):
@@ -275,7 +587,7 @@ def test_a_generator_found_once_is_stashed_by_the_sites_later_calls() -> None:
     key = id(block)
     assert key in _generators._Sites.found
     (ref,) = _generators._Sites.found[key][1]
-    assert ref() is block.generators[0]
+    assert ref() is block.generator_now()
 
 
 class Shared(nn.Module):
@@ -333,3 +645,107 @@ def test_the_scoped_layers_mask_generators_are_never_stashed() -> None:
         with scopedckpt.checkpointing(model):
             model(x).sum().backward()
     assert _generators._Sites.found == {}
+
+
+def test_the_code_of_other_libraries_is_not_followed() -> None:
+    """torch's, the standard library's and installed packages' code is large and holds no
+    user generator (NOTE [ generator places ]): a search follows only the rest."""
+    from scopedckpt import _reach
+
+    assert _reach.foreign(nn.Linear) and _reach.foreign(functools.reduce)
+    assert _reach.foreign(pytest.raises)  # an installed package
+    assert not _reach.foreign(Attribute) and not _reach.foreign(_helper_draw)
+    assert not _reach.foreign(NOISE)
+
+
+def test_a_search_through_deep_code_stays_within_the_stack() -> None:
+    """Helpers calling helpers 3,000 deep, the last reading a generator: the search stops
+    following code before Python's recursion limit (and so misses that one)."""
+    from scopedckpt import _reach
+
+    namespace: dict[str, object] = {"__name__": "chain", "G": torch.Generator()}
+    source = "".join(f"def f{i}(x):\n    return f{i + 1}(x)\n" for i in range(3000))
+    exec(compile(source + "def f3000(x):\n    return G\n", "<chain>", "exec"), namespace)
+    block = Attribute()
+    block.first = namespace["f0"]
+    places = _reach.subtree_places([block])
+    assert places == ((weakref.ref(block), ((0, "generator"),)),)
+
+
+class Awkward:
+    """An object whose every attribute lookup fails, and a dict that raises on ``items()``:
+    a search looks into them, and a region follows places through them, without running
+    either."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def __getattribute__(self, name: str) -> object:
+        raise AttributeError(name)
+
+
+class AwkwardDict(dict):  # type: ignore[type-arg]
+    def items(self):  # type: ignore[no-untyped-def,override]
+        raise RuntimeError("items")
+
+
+def test_a_search_runs_no_code_of_the_objects_it_looks_into() -> None:
+    block = Attribute()
+    held = torch.Generator()
+    block.awkward = Awkward(held)
+    block.by_name = AwkwardDict(noise=torch.Generator())
+    found = _generators.reachable(_module_call(block))
+    assert found == [block.generator, held, block.by_name["noise"]]
+
+
+class Outer(nn.Module):
+    """A region around a Lazy block and a draw of its own from the block's generator,
+    after the block's (nested regions: ``nested``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Lazy()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x)
+        if self.block.generator is not None:
+            y = y + torch.randn(y.shape, generator=self.block.generator)
+        return self.linear(y).tanh()
+
+
+def _train_made_in_forward(checkpointed: bool, nested: bool) -> list[torch.Tensor]:
+    """Gradients, the generator's state and whether the block still holds the generator
+    its first forward made, each step; two backward passes per step (two recomputes)."""
+    torch.manual_seed(0)
+    model = Outer()
+    x = torch.randn(3, 4)
+    seen: list[torch.Tensor] = []
+    made: torch.Generator | None = None
+    for step in range(4):
+        model.block.noisy = step >= 1
+        targets = (model, model.block) if nested else (model,)
+        with scopedckpt.checkpointing(*targets, enabled=checkpointed):
+            loss = model(x).sum()
+        if made is None:
+            made = model.block.generator
+        loss.backward(retain_graph=True)
+        loss.backward()
+        for p in model.parameters():
+            seen.append(p.grad.clone())  # type: ignore[union-attr]
+            p.grad = None
+        seen.append(model.block.generator_now().get_state())
+        seen.append(torch.tensor(made is None or model.block.generator is made))
+    return seen
+
+
+@pytest.mark.usefixtures("no_sampling")
+@pytest.mark.parametrize("nested", [False, True], ids=["one region", "nested"])
+def test_a_generator_a_forward_makes_is_made_again_by_every_recompute(nested: bool) -> None:
+    """A recompute empties the slot its first forward filled, so the forward makes the
+    generator again and draws what the first forward drew; then the first forward's
+    generator goes back (NOTE [ generator places ])."""
+    plain = _train_made_in_forward(False, nested)
+    checkpointed = _train_made_in_forward(True, nested)
+    assert len(plain) == len(checkpointed)
+    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))

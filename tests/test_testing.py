@@ -52,19 +52,24 @@ def test_mismatch_names_the_first_differing_tensor() -> None:
         assert_checkpoint_equivalent(model, torch.randn(5, 4))
 
 
+def _private_generator() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
 class PrivateNoise(nn.Module):
-    """Unscoped randomness from its own generator, held in a list: no region can reach it
-    without running (NOTE [ explicit generators ]), and the testing helper verifies nothing
-    unless asked, so nothing replays it."""
+    """Unscoped randomness from its own generator, which a helper makes at its first
+    forward: no region can reach it before it runs (NOTE [ generator places ]), nor is its
+    list a slot (its own code does not name ``Generator``: NOTE [ generator slots ]), and
+    the testing helper verifies nothing unless asked, so nothing replays it.
+    ``reachable``: the list holds it from the start."""
 
     def __init__(self, reachable: bool = False) -> None:
         super().__init__()
-        generator = torch.Generator().manual_seed(0)
-        if reachable:
-            self.generator = generator
-        self.generators = [generator]
+        self.generators = [_private_generator()] if reachable else []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.generators:
+            self.generators.append(_private_generator())
         return x * (torch.rand(x.shape, generator=self.generators[0]) < 0.5)
 
 

@@ -6,7 +6,8 @@ formulations give the same bits and float32/float64 kept values equal
 ``F.dropout``'s (NOTE [ two formulations ]), that the CUDA backward runs in
 another thread, exactness of eager training with regions (converted and not,
 with unscoped ``F.dropout`` and ``torch.rand_like`` in the blocks, plain and
-``retain_graph`` backward), explicit generators a region reaches, and that compiled training with scopedckpt's
+``retain_graph`` backward), explicit generators a region reaches or a forward makes, and that
+compiled training with scopedckpt's
 regions lands where compiled training with torch's checkpoint does, and that a
 ``scopedckpt.plan()`` at half the peak trains exactly and keeps its predicted peak
 (``torch.cuda.max_memory_allocated`` within 10 %), also across the planner's quick
@@ -246,23 +247,30 @@ def explicit_generators():
                 y = y + torch.randn(y.shape, device=y.device, generator=self.generator)
             return y.tanh()
 
-    def train(regions):
-        torch.manual_seed(0)
-        m = nn.Sequential(Noisy(), nn.Linear(64, 1)).to(dev)
-        x = torch.randn(32, 64, device=dev)
-        seen = []
-        for step in range(4):
-            m[0].noisy = step > 0
-            with scopedckpt.checkpointing(m[0], enabled=regions):
-                loss = m(x).sum()
-            loss.backward(retain_graph=True)
-            loss.backward()
-            seen += [p.grad.clone() for p in m.parameters()] + [m[0].generator.get_state()]
-            m.zero_grad(set_to_none=True)
-        return seen
-
-    plain, checkpointed = train(False), train(True)
+    plain, checkpointed = _noisy_steps(Noisy, False), _noisy_steps(Noisy, True)
     assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+
+
+def _noisy_steps(block, regions, after_forward=lambda b: None):
+    """Gradients and the block's generator state after each of four steps of ``block()``
+    then a linear head, on the device, the block noisy from the second step and a region
+    when ``regions``; two backward passes a step (two recomputes). ``after_forward(b)``
+    runs before each backward."""
+    torch.manual_seed(0)
+    m = nn.Sequential(block(), nn.Linear(64, 1)).to(dev)
+    x = torch.randn(32, 64, device=dev)
+    seen = []
+    for step in range(4):
+        m[0].noisy = step > 0
+        with scopedckpt.checkpointing(m[0], enabled=regions):
+            loss = m(x).sum()
+        after_forward(m[0])
+        loss.backward(retain_graph=True)
+        loss.backward()
+        seen += [p.grad.clone() for p in m.parameters()]
+        seen += [m[0].generator.get_state()] if m[0].generator is not None else []
+        m.zero_grad(set_to_none=True)
+    return seen
 
 
 def planned():
@@ -305,6 +313,45 @@ def plan_benchmark():
         assert row["worst_peak_error"] <= 0.10, row["model"]
 
 
+def made_in_forward():
+    """Issue 25, hole 6: a generator a forward makes on the device at its second step and
+    keeps (a slot, NOTE [ generator slots ]), in a list a helper object holds too; the
+    recomputes run on CUDA's backward thread, which empties and refills the slot: bitwise
+    as plain training, and the block keeps the generator its first forward made."""
+
+    class Lazy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.generator = None
+            self.linear = nn.Linear(64, 64)
+            self.noisy = False
+
+        def forward(self, x):
+            y = self.linear(x)
+            if self.noisy:
+                if self.generator is None:
+                    self.generator = torch.Generator(device=dev).manual_seed(9)
+                y = y + torch.randn(y.shape, device=y.device, generator=self.generator)
+            return y.tanh()
+
+    made = []  # the generator each step's first forward left in the block
+
+    def train(regions):
+        made.clear()
+        seen = _noisy_steps(Lazy, regions, lambda b: made.append(b.generator))
+        # every later forward found the one step 1 made: each backward put it back
+        assert all(g is None or g is made[1] for g in made), made
+        return seen
+
+    previous = scopedckpt.set_verification_sampling(0)  # found by the slot, not the watch
+    try:
+        plain, ours = train(False), train(True)
+    finally:
+        scopedckpt.set_verification_sampling(previous)
+    assert len(plain) == len(ours)
+    assert all(torch.equal(a, b) for a, b in zip(plain, ours))
+
+
 def main() -> int:
     print("torch", torch.__version__, "cuda", torch.cuda.is_available())
     check("mask bits on cuda", mask_bits)
@@ -322,6 +369,7 @@ def main() -> int:
                 lambda c=convert, b=backward: exact(c, b),
             )
     check("explicit generators on cuda: reached, shared with a scoped layer", explicit_generators)
+    check("a generator a forward makes on cuda: made again by every recompute", made_in_forward)
     check("compiled on cuda: scopedckpt lands where torch's checkpoint does", compiled)
     check("a plan at half the peak: exact, its peak as predicted", planned)
     check("the planner's benchmark on cuda: peaks as predicted", plan_benchmark)
