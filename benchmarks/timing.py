@@ -124,3 +124,15 @@ def save_paired_results(
     directory.mkdir(exist_ok=True)
     (directory / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
     return results
+
+
+def print_paired(rows: list[dict[str, Any]], key: str, base: str, ratio: str) -> None:
+    """Print one line per row: its ``key`` column, its rounds, the median milliseconds of
+    variant ``base`` and the paired ratio named ``ratio`` with its 95 % interval."""
+    print(f"\n{key:<13}{'rounds':>7}{f'{base} ms':>14}{ratio:>26}")
+    for row in rows:
+        low, high = row[f"{ratio} 95% interval"]
+        print(
+            f"{row[key]:<13}{row['rounds']:>7}{row['median_ms'][base]:>14.2f}"
+            f"{row[ratio]:>10.3f} ({low:.3f}-{high:.3f})"
+        )

@@ -33,7 +33,7 @@ import torch
 import scopedckpt
 
 from . import heap, models
-from .timing import interleaved_rounds, paired, save_paired_results
+from .timing import interleaved_rounds, paired, print_paired, save_paired_results
 
 DEPTH = 8
 THREADS = 1
@@ -80,13 +80,7 @@ def main(quick: bool) -> dict[str, object]:
     scopedckpt.set_verification_sampling(0)  # "default": torch's check alone
     rounds = QUICK_ROUNDS if quick else ROUNDS
     rows = [measure(kind, rounds) for kind in MODELS]
-    print(f"\n{'model':<13}{'rounds':>7}{'default ms':>12}{'bitwise/default':>26}")
-    for row in rows:
-        low, high = row["bitwise/default 95% interval"]
-        print(
-            f"{row['model']:<13}{row['rounds']:>7}{row['median_ms']['default']:>12.2f}"
-            f"{row['bitwise/default']:>10.3f} ({low:.3f}-{high:.3f})"
-        )
+    print_paired(rows, "model", "default", "bitwise/default")
     return save_paired_results("verify", rows, THREADS, quick)
 
 

@@ -1,5 +1,5 @@
 """Explicit generators (``generator=g``) used in regions: found where the region can reach
-them and by verified first forwards, stashed at every region, replayed by recomputes; a
+them and by watched first forwards, stashed at every region, replayed by recomputes; a
 region mechanism.
 
 NOTE [ explicit generators ]
@@ -22,12 +22,13 @@ starts (before any use, as the default generators are stashed):
   their classes and their code reach, searched once per listing (NOTE
   [ generator places ] in ``_reach.py``) and followed again at every region,
   so a reassigned attribute or element is the new generator;
-* the generators verified first forwards of its site were seen to use: a
-  *verified* first forward (``determinism_check="bitwise"``: by default the
-  first call of each region site and every 64th, NOTE [ sampled
-  verification ]) runs under a ``TorchFunctionMode`` that looks at each torch
-  call's arguments for a non-default generator, stashes it at its first use
-  and remembers it for the site (weakly).
+* the generators watched first forwards of its site were seen to use: a
+  *watched* first forward (a verified one, ``determinism_check="bitwise"``:
+  by default the first call of each region site and every 64th, NOTE
+  [ sampled verification ]; and every one running code that names
+  generators, NOTE [ watched code ]) runs under a ``TorchFunctionMode`` that
+  looks at each torch call's arguments for a non-default generator, stashes
+  it at its first use and remembers it for the site (weakly).
 
 Every recompute sets the stashed states, runs, and puts back the states it
 found; a region nested in another and replayed inside its recompute does not
@@ -39,12 +40,26 @@ or not, and one it uses at every call from the first step. A generator a
 forward makes and keeps in a slot (an attribute that held None, a list that
 was empty, of a module whose code names ``Generator``) is made again by each
 recompute: the recompute empties the slot while it runs, then puts the first
-forward's generator back. The limit: a generator that no searched place or
-slot held when the subtree was listed (one a helper makes and keeps in a new
-attribute, a hook registered later), or that only an installed library's
-code reads as a global, first used on a call that is not verified, is not
-seen until the next verified call of the site; that call's watch stashes it,
-and remembers it for the site's later calls.
+forward's generator back.
+
+NOTE [ watched code ]
+---------------------
+A generator can still be out of every place when the subtree is listed: one
+a helper makes and the module keeps in a new attribute, one put somewhere
+new later. The code that uses it names it, though: an op takes it only as
+``generator=`` (torch's signatures make it keyword-only, but for a few
+``init`` functions), a helper passing it on has a ``generator`` parameter,
+a module reads ``self.generator`` or makes one with ``torch.Generator``. So
+the search that finds places (``_reach.names_generators``) also notes
+whether any code it looks at names ``generator`` or ``Generator``; the
+first forwards of a region running such code are watched at every call,
+verified or not, and so stash any generator at its first use. Code that
+names none pays nothing. The limit: code the search does not look at (a
+hook registered after the listing, an installed library's, torch's) that
+uses a generator no place held, first on a call that is not verified, or
+code passing one under another name (``**kwargs``, positionally to
+``torch.nn.init``); the site's next verified call stashes it and remembers
+it for the site's later calls.
 
 Scoped layers given ``generator=`` record their seeds; a recompute that
 replays their generator draws each seed again (NOTE [ aligned draws ] in
@@ -101,6 +116,9 @@ class Generators:
     # The slots of its module's subtree that held no generator when it started (NOTE
     # [ generator slots ]): its recomputes empty those its first forward filled.
     empty: list[Place]
+    # Where the code it runs names generators (NOTE [ watched code ]), the call: its first
+    # forward is watched whether or not it is verified.
+    draws: RegionCall | None = None
 
 
 class _Sites:
@@ -141,13 +159,14 @@ def _remember(call: RegionCall, generator: torch.Generator) -> None:
         entry[1].append(weakref.ref(generator))
 
 
-def _function_places(fn: object) -> tuple[list[object], object, tuple[Place, ...]]:
+def _function_places(fn: object) -> tuple[list[object], object, tuple[Place, ...], bool]:
     """What a region's function carries that may be a generator (a partial's arguments, a
-    closure's cells), the function its places start from, and the places of the
-    generators its code reads (NOTE [ generator places ], cached per code object)."""
+    closure's cells), the function its places start from, the places of the generators
+    its code reads, and whether that code names generators (NOTE [ generator places ],
+    NOTE [ watched code ]; cached per code object)."""
     places: list[object] = []
     if isinstance(fn, nn.Module):  # its subtree's listing covers its forward
-        return places, None, ()
+        return places, None, (), False
     if isinstance(fn, functools.partial):
         places.extend(fn.args)
         places.extend(fn.keywords.values())
@@ -155,7 +174,7 @@ def _function_places(fn: object) -> tuple[list[object], object, tuple[Place, ...
     fn = getattr(fn, "__func__", fn)
     code = getattr(fn, "__code__", None)
     if code is None or not isinstance(fn, types.FunctionType):
-        return places, None, ()
+        return places, None, (), False
     for cell in fn.__closure__ or ():
         try:
             places.append(cell.cell_contents)
@@ -166,13 +185,13 @@ def _function_places(fn: object) -> tuple[list[object], object, tuple[Place, ...
         if len(_Code.places) >= 4096:
             _Code.places.clear()
         read = _Code.places[code] = function_places(fn)
-    return places, fn, read
+    return places, fn, read[0], read[1]
 
 
 class _Code:
     """The generator places each region function's code reads, by code object."""
 
-    places: ClassVar[dict[Any, tuple[Place, ...]]] = {}
+    places: ClassVar[dict[Any, tuple[tuple[Place, ...], bool]]] = {}
 
 
 def reachable(call: RegionCall, empty: list[Place] | None = None) -> list[torch.Generator]:
@@ -181,19 +200,29 @@ def reachable(call: RegionCall, empty: list[Place] | None = None) -> list[torch.
     among these (and the module it runs) the places and slots of its subtree's listing
     (NOTE [ generator places ]); ``empty`` collects the slots of the module's subtree that
     hold none."""
+    return _reach(call, empty)[0]
+
+
+def _reach(call: RegionCall, empty: list[Place] | None) -> tuple[list[torch.Generator], bool]:
+    """:func:`reachable`, and whether the code the region runs names generators (NOTE
+    [ watched code ])."""
     found: list[torch.Generator] = []
     module = call.module
+    draws = False
     if module is not None:
         listing = call.listing if call.listing is not None else subtree(module)
+        draws = listing.draws
         if listing.generators or listing.later:
             _listed(listing, found, empty)
-    _scan(call.args, module, found)
-    if call.kwargs:
-        _scan(call.kwargs.values(), module, found)
+    if _scan(call.args, module, found):
+        draws = True
+    if call.kwargs and _scan(call.kwargs.values(), module, found):
+        draws = True
     fn = call.fn
     if fn is not module:
-        places, start, read = _function_places(fn)
-        _scan(places, module, found)
+        places, start, read, reads = _function_places(fn)
+        if _scan(places, module, found) or reads:
+            draws = True
         for place in read:
             generator = follow(place, start)
             if generator is not None:
@@ -201,7 +230,7 @@ def reachable(call: RegionCall, empty: list[Place] | None = None) -> list[torch.
     if found:
         defaults = _defaults()
         found = [g for g in found if id(g) not in defaults]
-    return found
+    return found, draws
 
 
 def _add(found: list[torch.Generator], generator: torch.Generator) -> None:
@@ -209,9 +238,10 @@ def _add(found: list[torch.Generator], generator: torch.Generator) -> None:
         found.append(generator)
 
 
-def _scan(places: Iterable[object], module: nn.Module | None, found: list[torch.Generator]) -> None:
+def _scan(places: Iterable[object], module: nn.Module | None, found: list[torch.Generator]) -> bool:
     """Add the generators among ``places`` and in the lists, tuples and dicts among them,
-    and those the modules among them reach."""
+    and those the modules among them reach; whether those modules' code names generators."""
+    draws = False
     for place in places:
         kind = type(place)
         if kind is torch.Tensor:
@@ -220,11 +250,18 @@ def _scan(places: Iterable[object], module: nn.Module | None, found: list[torch.
             _add(found, place)  # type: ignore[arg-type]
         elif isinstance(place, nn.Module):
             if place is not module:
-                _listed(subtree(place), found)
+                listing = subtree(place)
+                draws = draws or listing.draws
+                _listed(listing, found)
         elif kind is list or kind is tuple:
-            _scan([p for p in place if type(p) is torch.Generator], module, found)  # type: ignore[attr-defined]
+            for item in place:  # type: ignore[attr-defined]
+                if type(item) is torch.Generator:
+                    _add(found, item)
         elif kind is dict:
-            _scan([p for p in place.values() if type(p) is torch.Generator], module, found)  # type: ignore[attr-defined]
+            for item in place.values():  # type: ignore[attr-defined]
+                if type(item) is torch.Generator:
+                    _add(found, item)
+    return draws
 
 
 def _listed(
@@ -246,15 +283,17 @@ def _listed(
 
 def start_region(tape: Tape, call: RegionCall) -> bool:
     """Stash the generators the region can reach or its site was seen to use; acts where
-    there are some, or where the first forward is verified (and watched)."""
+    there are some, or where the first forward is watched: verified, or running code
+    that names generators (NOTE [ watched code ])."""
     empty: list[Place] = []
-    known = reachable(call, empty)
+    known, draws = _reach(call, empty)
     for generator in _known(call):
         _add(known, generator)
-    watched = call.determinism_check == "bitwise"
+    watched = draws or call.determinism_check == "bitwise"
     if not known and not watched and not empty:
         return False
-    tape.generators = Generators([(g, g.get_state()) for g in known], watched, empty)
+    stash = [(g, g.get_state()) for g in known]
+    tape.generators = Generators(stash, watched, empty, call if draws else None)
     return True
 
 
@@ -300,15 +339,17 @@ class _Watch(TorchFunctionMode):
 
 
 def enter_frame(frame: Frame) -> Callable[..., None] | None:
-    """A verified first forward: watch for generators. A recompute: replay them."""
+    """A watched first forward (verified, or running code that names generators): watch
+    for generators. A recompute: replay them."""
     generators = frame.tape.generators
     assert generators is not None  # start_region made it
     stash = generators.stash
     if frame.phase is not RECOMPUTE:
         verifying = frame.tape.verifying
-        if verifying is None:
+        call = generators.draws if verifying is None else verifying.call
+        if call is None:
             return None
-        watching = _Watch(stash, verifying.call)
+        watching = _Watch(stash, call)
         watching.__enter__()
         return watching.__exit__
     found = [(g, g.get_state()) for g, _ in stash]

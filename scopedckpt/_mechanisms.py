@@ -28,7 +28,7 @@ mechanism         tape                        frame
 ``_inputs``       tensor inputs' versions     first forward: none written in place
 ``_rng``          generators' states          recomputes start from them
 ``_generators``   explicit ones' states       recomputes start from them;
-                                              verified first forwards find them
+                                              watched first forwards find them
 ``_written``      written buffers' copies     recomputes: copies swapped in
 ``_guard``        module states, per call     module calls guarded
 ``_selective``    kept op outputs             recorded, or served

@@ -25,7 +25,7 @@ The code and classes of torch, scopedckpt, Python's standard library and
 installed packages (site-packages) are not followed: they are large (a
 Hugging Face model's code reaches most of ``transformers``, about 200 ms per
 search). Their objects' attributes are still searched; a generator that only an
-installed library's code reads as a global is left to the watch. Each
+installed library's code reads as a global is left to verified calls' watch. Each
 generator is recorded as a *place*: what the search started from (a module, a
 class or a function, held weakly, so a listing keeps no model alive) and the
 steps from there. A region follows the places again, so a reassigned
@@ -35,12 +35,11 @@ A forward that makes a generator and keeps it where the module held None or
 an empty list has it made again by every recompute (NOTE [ generator slots ]
 in ``_slots.py``).
 
-The limit: a generator that no searched place or slot held when the subtree
-was listed (one a helper makes and keeps in a new attribute, one put into a
-new place later, a hook registered later), or that only an installed
-library's code reads as a global, is not stashed before its first use. A
-verified first forward's watch (NOTE [ explicit generators ]) stashes it at
-its first use there and remembers it for the site's later calls.
+The search also notes whether the code it looks at names generators: the
+first forwards of regions running such code are watched (NOTE [ watched
+code ] in ``_generators.py``), which finds a generator no place held when
+the subtree was listed (one a helper makes and keeps in a new attribute) at
+its first use.
 """
 
 from __future__ import annotations
@@ -66,6 +65,7 @@ __all__ = [
     "follow",
     "foreign",
     "function_places",
+    "names_generators",
     "namespace_of",
     "subtree_places",
 ]
@@ -128,6 +128,7 @@ class _Search:
         self.alive: list[object] = []  # what was seen stays alive while ids are compared
         self.budget = _BUDGET
         self.nesting = 0
+        self.draws = False  # some code searched names a generator (:func:`names_generators`)
 
     def value(self, value: object, root: weakref.ref[Any] | None, steps: tuple[Step, ...]) -> None:
         """Record ``value`` if it is a generator; else look inside it."""
@@ -261,6 +262,8 @@ class _Search:
         if id(code) in done:
             return
         done.add(id(code))
+        if not self.draws and names_generators(code):
+            self.draws = True
         names = code.co_names
         for name in names:
             if name not in namespace:
@@ -282,6 +285,22 @@ class _Search:
                 self.code(constant, namespace, root, done)
 
 
+# The names by which code passes (``generator=g``, ``def f(x, generator)``), reads
+# (``self.generator``) or makes (``torch.Generator``) a generator.
+_GENERATOR_NAMES = frozenset({"generator", "Generator"})
+
+
+def names_generators(code: types.CodeType) -> bool:
+    """Whether ``code`` itself names a generator: a ``generator`` keyword argument,
+    parameter, variable or attribute, or ``Generator`` (NOTE [ watched code ])."""
+    return (
+        not _GENERATOR_NAMES.isdisjoint(code.co_names)
+        or not _GENERATOR_NAMES.isdisjoint(code.co_varnames)
+        # keyword names of calls are tuples of strings among the constants
+        or any(type(c) is tuple and not _GENERATOR_NAMES.isdisjoint(c) for c in code.co_consts)
+    )
+
+
 def namespace_of(value: object) -> Any:
     """``value.__dict__`` (a class's mapping proxy), or None; no ``__getattr__`` or
     ``__getattribute__`` of its class runs."""
@@ -291,8 +310,9 @@ def namespace_of(value: object) -> Any:
         return None
 
 
-def subtree_places(modules: Iterable[nn.Module]) -> tuple[Place, ...]:
-    """The places of the generators a subtree of ``modules`` holds or its code reads."""
+def subtree_places(modules: Iterable[nn.Module]) -> tuple[tuple[Place, ...], bool]:
+    """The places of the generators a subtree of ``modules`` holds or its code reads, and
+    whether that code names generators (NOTE [ watched code ])."""
     modules = list(modules)
     search = _Search(modules)
     for module in modules:
@@ -308,27 +328,27 @@ def subtree_places(modules: Iterable[nn.Module]) -> tuple[Place, ...]:
         for hook in list(hooks.values()):
             try:
                 search.value(hook, weakref.ref(hook), ())
-            except TypeError:  # no weak reference to it: only a function's places are kept
-                if isinstance(hook, types.FunctionType):
-                    search.function(hook)
-    return tuple(search.places)
+            except TypeError:  # no weak reference to it, so no place (functions take them)
+                continue
+    return tuple(search.places), search.draws
 
 
 # A module's own forward hooks (torch's names for them).
 _FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_hooks")
 
 
-def function_places(function: types.FunctionType) -> tuple[Place, ...]:
+def function_places(function: types.FunctionType) -> tuple[tuple[Place, ...], bool]:
     """The places of the generators ``function`` (a region's, not torch's) reads through
-    its code and defaults and the code that reaches; places that start at ``function``
-    itself have no reference (:func:`follow` is given it). Its closure is left out: it is
-    another object for each function made from the same code."""
+    its code and defaults and the code that reaches, and whether that code names
+    generators (NOTE [ watched code ]); places that start at ``function`` itself have no
+    reference (:func:`follow` is given it). Its closure is left out: it is another object
+    for each function made from the same code."""
     if foreign(function):
-        return ()
+        return (), False
     search = _Search()
     search.seen.add(id(function))
     search.defaults_and_code(function, None)
-    return tuple(search.places)
+    return tuple(search.places), search.draws
 
 
 def follow(place: Place, start: object = None) -> torch.Generator | None:

@@ -64,6 +64,9 @@ class Listing:
     generators: tuple[Place, ...]
     # where its forwards may keep generators they make (NOTE [ generator slots ])
     later: tuple[Place, ...]
+    # whether the code its modules run names generators: its first forwards are watched
+    # (NOTE [ watched code ] in _generators.py)
+    draws: bool
     # _written: the buffers (module's qualified name, buffer name) and parameters (indices)
     # regions over this module were seen to write, and whether they still copy all of
     # them (until one is recomputed)
@@ -165,7 +168,7 @@ def subtree(owner: nn.Module) -> Listing:
         if b is not None
     )
     late = tuple(weak[id(m)] for _, m in modules if isinstance(m, LATE_WRITERS))
-    generators = subtree_places(module for _, module in modules)
+    generators, draws = subtree_places(module for _, module in modules)
     later = subtree_slots(module for _, module in modules)
     if len(_Listing.by_owner) >= 4096:
         _Listing.by_owner.clear()
@@ -180,6 +183,7 @@ def subtree(owner: nn.Module) -> Listing:
         late,
         generators,
         later,
+        draws,
     )
     _Listing.by_owner[id(owner)] = listing
     return listing

@@ -395,6 +395,26 @@ def _train_gated(
 REACHES = [reach for reach in KINDS if reach != "made elsewhere"]
 
 
+@pytest.fixture
+def places_alone(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No code counts as naming generators (NOTE [ watched code ]): only the places a
+    region reaches, and verified calls' watch, find its generators."""
+    from scopedckpt import _reach
+
+    monkeypatch.setattr(_reach, "names_generators", lambda code: False)
+    _generators._Code.places.clear()
+    yield
+    _generators._Code.places.clear()
+
+
+@pytest.fixture
+def watch_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No generator is stashed when a region starts: only the watch of first forwards
+    finds them."""
+    monkeypatch.setattr(_generators, "_add", lambda found, generator: None)
+
+
+@pytest.mark.usefixtures("places_alone")
 @pytest.mark.parametrize("reach", REACHES)
 def test_a_generator_first_used_on_an_unverified_call_is_replayed(reach: str) -> None:
     """A generator the region can reach is stashed at every region, verified or not: a
@@ -405,11 +425,82 @@ def test_a_generator_first_used_on_an_unverified_call_is_replayed(reach: str) ->
     assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
 
 
-@pytest.mark.usefixtures("no_sampling")
+@pytest.mark.usefixtures("no_sampling", "places_alone")
 @pytest.mark.parametrize("reach", REACHES)
 def test_a_reachable_generator_is_replayed_without_verification(reach: str) -> None:
     plain = _train_gated(reach, checkpointed=False)
     checkpointed = _train_gated(reach, checkpointed=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+
+
+@pytest.mark.usefixtures("no_sampling", "watch_alone")
+@pytest.mark.parametrize("reach", list(KINDS))
+def test_the_watch_of_code_that_names_generators_alone_replays_each_reach(reach: str) -> None:
+    """With nothing stashed when a region starts, the watch of every first forward of a
+    region whose code names generators (each block's does; a function region's through
+    the modules it closes over) stashes each at its first use."""
+    plain = _train_gated(reach, checkpointed=False)
+    checkpointed = _train_gated(reach, checkpointed=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+
+
+@pytest.mark.parametrize("sampling", [True, False], ids=["sampled", "unverified"])
+def test_a_generator_put_where_none_was_is_replayed_by_the_watch_of_its_code(
+    sampling: bool,
+) -> None:
+    """A generator a helper makes, kept in an attribute the block did not have when its
+    subtree was listed: no place holds it, but the block's code names it, so every
+    first forward is watched and stashes it at its first use."""
+    previous = scopedckpt.set_verification_sampling(64 if sampling else 0)
+    try:
+        plain = _train_gated("made elsewhere", False)
+        checkpointed = _train_gated("made elsewhere", True)
+    finally:
+        scopedckpt.set_verification_sampling(previous)
+    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+
+
+def test_names_generators_reads_keywords_parameters_attributes_and_the_class() -> None:
+    from scopedckpt._reach import names_generators
+
+    def keyword(x: torch.Tensor, rng: torch.Generator) -> torch.Tensor:
+        return x + torch.randn(x.shape, generator=rng)
+
+    def parameter(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return torch.nn.init.uniform_(x, 0.0, 1.0, generator)  # passed on positionally
+
+    def attribute(module: nn.Module) -> object:
+        return module.generator
+
+    def maker() -> object:
+        return torch.Generator()
+
+    def plain(x: torch.Tensor, rng: object) -> torch.Tensor:
+        return torch.randn(x.shape) + x.sum(dim=0, keepdim=True)
+
+    for names in (keyword, parameter, attribute, maker):
+        assert names_generators(names.__code__), names.__name__
+    assert not names_generators(plain.__code__)
+
+
+@pytest.mark.usefixtures("places_alone")
+def test_a_generator_put_where_none_was_is_found_only_by_verified_calls() -> None:
+    """The limit of places alone (NOTE [ generator places ]): a generator a helper makes,
+    kept in an attribute the block did not have when its subtree was listed, is not
+    looked for, so without the watch of code that names it a first use on an unverified
+    call goes unseen."""
+    assert not all(
+        torch.equal(a, b)
+        for a, b in zip(_train_gated("made elsewhere", False), _train_gated("made elsewhere", True))
+    )
+
+
+@pytest.mark.usefixtures("places_alone")
+def test_a_generator_found_by_a_verified_call_is_replayed_at_the_sites_later_calls() -> None:
+    """One the region cannot reach without running, used at every call: the first call
+    (verified) finds it, the later ones (not verified) stash it."""
+    plain = _train_gated("made elsewhere", checkpointed=False, first_noisy=0)
+    checkpointed = _train_gated("made elsewhere", checkpointed=True, first_noisy=0)
     assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
 
 
@@ -444,24 +535,6 @@ def test_a_generator_a_forward_makes_is_found_where_it_keeps_it(reach: str) -> N
     block.noisy = True
     block(torch.randn(3, 4))
     assert _generators.reachable(_module_call(block)) == [block.generator_now()]
-
-
-def test_a_generator_put_where_none_was_is_found_only_by_verified_calls() -> None:
-    """The limit NOTE [ generator places ] states: a generator a helper makes, kept in
-    an attribute the block did not have when its subtree was listed, is not looked for,
-    so a first use on an unverified call goes unseen."""
-    assert not all(
-        torch.equal(a, b)
-        for a, b in zip(_train_gated("made elsewhere", False), _train_gated("made elsewhere", True))
-    )
-
-
-def test_a_generator_found_by_a_verified_call_is_replayed_at_the_sites_later_calls() -> None:
-    """One the region cannot reach without running, used at every call: the first call
-    (verified) finds it, the later ones (not verified) stash it."""
-    plain = _train_gated("made elsewhere", checkpointed=False, first_noisy=0)
-    checkpointed = _train_gated("made elsewhere", checkpointed=True, first_noisy=0)
-    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
 
 
 def _function_call(fn: object) -> RegionCall:
@@ -668,7 +741,7 @@ def test_a_search_through_deep_code_stays_within_the_stack() -> None:
     exec(compile(source + "def f3000(x):\n    return G\n", "<chain>", "exec"), namespace)
     block = Attribute()
     block.first = namespace["f0"]
-    places = _reach.subtree_places([block])
+    places, _ = _reach.subtree_places([block])
     assert places == ((weakref.ref(block), ((0, "generator"),)),)
 
 

@@ -667,7 +667,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "generators_never_watched",
         "scopedckpt/_generators.py",
-        "        if verifying is None:\n            return None",
+        "        if call is None:\n            return None",
         "        if True:\n            return None",
         ("tests/test_generators.py",),
         "no explicit generator is ever found: recomputes draw from advanced streams",
@@ -707,7 +707,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "generators_reach_no_argument",
         "scopedckpt/_generators.py",
-        "    _scan(call.args, module, found)\n    if call.kwargs:\n        _scan(call.kwargs.values(), module, found)\n",
+        "    if _scan(call.args, module, found):\n        draws = True\n"
+        "    if call.kwargs and _scan(call.kwargs.values(), module, found):\n        draws = True\n",
         "",
         ("tests/test_generators.py",),
         "a generator passed to the region is replayed only once a verified call used it",
@@ -731,8 +732,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "generators_reach_no_closed_over_module",
         "scopedckpt/_generators.py",
-        "        elif isinstance(place, nn.Module):\n            if place is not module:\n                _listed(subtree(place), found)\n",
-        "        elif isinstance(place, nn.Module):\n            pass\n",
+        "                _listed(listing, found)\n",
+        "                pass\n",
         ("tests/test_generators.py",),
         "a function region over a module does not look at the module's generators",
     ),
@@ -810,6 +811,48 @@ MUTANTS: tuple[Mutant, ...] = (
         "        elif False:\n",
         ("tests/test_generators.py",),
         "a generator passed to a region in a list is replayed only once a verified call used it",
+    ),
+    Mutant(
+        "generators_code_not_watched",
+        "scopedckpt/_generators.py",
+        '    watched = draws or call.determinism_check == "bitwise"\n',
+        '    watched = call.determinism_check == "bitwise"\n',
+        ("tests/test_generators.py",),
+        "a generator no place held, first used on an unverified call, is not stashed though "
+        "the code that uses it names it",
+    ),
+    Mutant(
+        "generators_code_watch_not_entered",
+        "scopedckpt/_generators.py",
+        "        call = generators.draws if verifying is None else verifying.call\n",
+        "        call = None if verifying is None else verifying.call\n",
+        ("tests/test_generators.py",),
+        "the first forwards of regions whose code names generators are watched only when verified",
+    ),
+    Mutant(
+        "generators_code_draws_not_from_modules_scanned",
+        "scopedckpt/_generators.py",
+        "                draws = draws or listing.draws\n",
+        "                pass\n",
+        ("tests/test_generators.py",),
+        "a function region is not watched where only the modules it closes over or is given "
+        "name generators",
+    ),
+    Mutant(
+        "reach_names_no_keyword",
+        "scopedckpt/_reach.py",
+        "        or any(type(c) is tuple and not _GENERATOR_NAMES.isdisjoint(c) for c in code.co_consts)\n",
+        "        or False\n",
+        ("tests/test_generators.py",),
+        "code passing a generator=... keyword is not seen to name generators",
+    ),
+    Mutant(
+        "reach_names_no_parameter",
+        "scopedckpt/_reach.py",
+        "        or not _GENERATOR_NAMES.isdisjoint(code.co_varnames)\n",
+        "        or False\n",
+        ("tests/test_generators.py",),
+        "code with a generator parameter or variable is not seen to name generators",
     ),
     Mutant(
         "generators_places_held_strongly",
