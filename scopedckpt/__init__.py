@@ -42,10 +42,11 @@ from ._layers import (
 )
 from ._module_state import Stateful
 from ._plan import Plan, plan
+from ._replay import is_recomputing, phase, replay
 from ._report import MemoryReport, memory_report
 from ._sampling import set_verification_sampling
 from ._scope import checkpointing
-from ._state import Phase, is_recomputing, phase, replay
+from ._state import Phase
 
 __version__ = "0.1.0"
 

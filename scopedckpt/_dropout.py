@@ -41,8 +41,9 @@ from torch import Tensor
 from ._errors import ScopedCkptError
 from ._mask import Mask, masked_dropout
 from ._paths import EAGER, GRAPH, where
+from ._replay import tape_value
 from ._selective import internal
-from ._state import FRAME, RECOMPUTE, describe, tape_value
+from ._state import FRAME, RECOMPUTE, describe
 from ._strict import scoped_draws
 
 __all__ = [

@@ -86,7 +86,7 @@ class _EnterFrame:
     )
 
     def __init__(
-        self, phase: Phase, tape: Tape, scope: Scope, owner: object | None, *, rewind: bool
+        self, phase: Phase, tape: Tape, scope: Scope, owner: object | None, rewind: bool
     ) -> None:
         self._phase = phase
         self._tape = tape
@@ -191,7 +191,7 @@ def region_context_fn(
         # The parent is being recomputed: this nested region already ran once
         # and its tape is the next record of the parent (NOTE [ tape ]).
         tape = parent.take(_REGION, owner_id, label).value
-        forward = _EnterFrame(RECOMPUTE, tape, scope, owner, rewind=False)
+        forward = _EnterFrame(RECOMPUTE, tape, scope, owner, False)  # rewind: no
     else:
         tape = Tape()
         save = as_policy(options.save)
@@ -208,16 +208,15 @@ def region_context_fn(
             fn,
             listing if listing is not None or module is None else subtree(module),
         )
-        acting, bit = 0, 1
-        for mechanism in _mechanisms.MECHANISMS:
-            if mechanism.start_region(tape, call):
+        acting = 0
+        for start_region, bit in _mechanisms.starts():
+            if start_region(tape, call):
                 acting |= bit
-            bit <<= 1
         tape.forward_mechanisms, tape.recompute_mechanisms = _mechanisms.frame_plan(acting)
         if parent is not None:
             parent.tape.records.append(Record(_REGION, owner_id, label, tape))
-        forward = _EnterFrame(FORWARD, tape, scope, owner, rewind=False)
-    recompute = _EnterFrame(RECOMPUTE, tape, scope, owner, rewind=True)
+        forward = _EnterFrame(FORWARD, tape, scope, owner, False)  # rewind: no
+    recompute = _EnterFrame(RECOMPUTE, tape, scope, owner, True)  # rewind: yes
     forward.partner = recompute
     if isinstance(owner, torch.nn.Module):
         # The owner's forward runs inside the region without __call__: guard it here.

@@ -214,9 +214,7 @@ def _reach(call: RegionCall, empty: list[Place] | None) -> tuple[list[torch.Gene
         draws = listing.draws
         if listing.generators or listing.later:
             _listed(listing, found, empty)
-    if _scan(call.args, module, found):
-        draws = True
-    if call.kwargs and _scan(call.kwargs.values(), module, found):
+    if call.others and _scan([value for _, value in call.others], module, found):
         draws = True
     fn = call.fn
     if fn is not module:

@@ -114,8 +114,9 @@ __all__ = [
 
 
 _LOCK = threading.Lock()
-# How many active frames use each kind of the guard's global hooks ("pre", "post").
-_USERS = {"pre": 0, "post": 0}
+# How many active frames use each kind of the guard's global hooks.
+_PRE_USERS = 0
+_POST_USERS = 0
 
 
 def _outside_numbering(
@@ -140,10 +141,11 @@ def _pre_hook(module: nn.Module, args: Any) -> None:
     frame = FRAME.get()
     if frame is None or frame.hooks is not None:
         return
+    key = id(module)
     if frame.phase is not RECOMPUTE:
         modes = frame.tape.modes  # the recompute runs in these modes (enter_frame)
-        if id(module) not in modes:
-            modes[id(module)] = (module, module.training)
+        if key not in modes:
+            modes[key] = (module, module.training)
     if guarded(module):
         if frame.phase is not RECOMPUTE:
             initialize_lazy(frame, module, args)
@@ -152,12 +154,12 @@ def _pre_hook(module: nn.Module, args: Any) -> None:
         # Counted all the same: a buffer registered lazily during the first
         # forward must not shift the call indices the recompute looks up.
         calls = frame.calls  # count_call, written out: this runs at every module call
-        index = calls.get(id(module), 0)
-        calls[id(module)] = index + 1
+        index = calls.get(key, 0)
+        calls[key] = index + 1
     if frame.tape.saved is None:
         return
     # Selective saving numbers op calls per module call (NOTE [ selective saving ]).
-    frame.modules.append((id(module), index))
+    frame.modules.append((key, index))
     if frame.selective is not None:
         frame.selective.enter_module(module)
 
@@ -212,21 +214,23 @@ def enter_frame(frame: Frame) -> Callable[..., None]:
     # Strict mode's check and selective saving's module numbering see every call,
     # and after it too.
     every_call = frame.scope.strict or frame.tape.saved is not None
+    if frame.phase is not RECOMPUTE:
+        _install(every_call)
+        return functools.partial(end, frame, every_call, None)
+    states = frame.tape.states
     # Another global pre-hook (a user's) runs before every module's own hooks, and may
     # update buffers: the guard's global one, in front of it, must swap them first.
     foreign = len(GLOBAL_PRE_HOOKS) > (_KEY in GLOBAL_PRE_HOOKS)
-    if frame.phase is RECOMPUTE and not every_call and not foreign:
-        modules = {id(s.module): s.module for s in frame.tape.states.values()}
+    if not every_call and not foreign:
+        modules = {id(s.module): s.module for s in states.values()} if states else {}
         frame.hooks = [h for m in modules.values() for h in _own_hooks(frame, m)]
     else:
         _install(every_call)
-        if frame.phase is RECOMPUTE:
-            # Global post hooks run before a module's own: the real buffers go back
-            # after those (which update the swapped copies), from hooks of its own.
-            modules = {id(s.module): s.module for s in frame.tape.states.values()}
-            frame.exits = [_own_exit(frame, m) for m in modules.values()]
-    switched = _first_forward_modes(frame) if frame.phase is RECOMPUTE else None
-    return functools.partial(end, frame, every_call, switched)
+        # Global post hooks run before a module's own: the real buffers go back after
+        # those (which update the swapped copies), from hooks of its own.
+        modules = {id(s.module): s.module for s in states.values()}
+        frame.exits = [_own_exit(frame, m) for m in modules.values()]
+    return functools.partial(end, frame, every_call, _first_forward_modes(frame))
 
 
 def _first_forward_modes(frame: Frame) -> list[tuple[nn.Module, bool]] | None:
@@ -243,7 +247,8 @@ def end(
 ) -> None:
     """Stop guarding a frame that is being left, leaving no swapped buffer or mode behind."""
     try:
-        unwind(frame)
+        if frame.guards:
+            unwind(frame)
     finally:
         if switched is not None:
             for module, training in switched:
@@ -265,28 +270,31 @@ _KEY = "scopedckpt buffer guard"
 
 
 def _install(post: bool) -> None:
+    global _PRE_USERS, _POST_USERS
     with _LOCK:
-        _USERS["pre"] += 1
-        if _USERS["pre"] == 1:
+        _PRE_USERS += 1
+        if _PRE_USERS == 1:
             GLOBAL_PRE_HOOKS[_KEY] = _pre_hook
-            # First: global pre-hooks run before the modules' own, and other global
-            # ones may update buffers too.
-            GLOBAL_PRE_HOOKS.move_to_end(_KEY, last=False)
+            if len(GLOBAL_PRE_HOOKS) > 1:
+                # First: global pre-hooks run before the modules' own, and other global
+                # ones may update buffers too.
+                GLOBAL_PRE_HOOKS.move_to_end(_KEY, last=False)
         if post:
-            _USERS["post"] += 1
-            if _USERS["post"] == 1:
+            _POST_USERS += 1
+            if _POST_USERS == 1:
                 GLOBAL_POST_HOOKS[_KEY] = _post_hook
                 GLOBAL_POST_HOOKS_ALWAYS_CALLED[_KEY] = True
 
 
 def _uninstall(post: bool) -> None:
+    global _PRE_USERS, _POST_USERS
     with _LOCK:
-        _USERS["pre"] -= 1
-        if _USERS["pre"] == 0:
+        _PRE_USERS -= 1
+        if not _PRE_USERS:
             del GLOBAL_PRE_HOOKS[_KEY]
         if post:
-            _USERS["post"] -= 1
-            if _USERS["post"] == 0:
+            _POST_USERS -= 1
+            if not _POST_USERS:
                 del GLOBAL_POST_HOOKS[_KEY]
                 del GLOBAL_POST_HOOKS_ALWAYS_CALLED[_KEY]
 

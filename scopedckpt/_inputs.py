@@ -13,10 +13,7 @@ in-place write, through views too); when its first forward ends it raises
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
-from typing import Any
-
-from torch import Tensor
+from collections.abc import Callable
 
 from ._errors import ScopedCkptError
 from ._state import FORWARD, Frame, RegionCall, Tape, describe, module_path
@@ -29,15 +26,9 @@ FRAME_PHASES = frozenset({FORWARD})
 
 def start_region(tape: Tape, call: RegionCall) -> bool:
     """Note the versions of the region's tensor inputs; acts in its first forward if any."""
-    named: Iterable[tuple[int | str, Any]] = enumerate(call.args)
-    if call.kwargs:
-        named = [*named, *call.kwargs.items()]
-    inputs = tuple(
-        (name, value, version_of(value)) for name, value in named if isinstance(value, Tensor)
-    )
-    if not inputs:
+    if not call.tensors:
         return False
-    tape.inputs = (call, inputs)
+    tape.inputs = (call, call.tensors)
     return True
 
 

@@ -18,8 +18,9 @@ from torch import Tensor, nn
 from . import _dropout
 from ._module_state import self_guarded
 from ._paths import EAGER, GRAPH, where
+from ._replay import tape_value
 from ._selective import internal
-from ._state import RECOMPUTE, tape_value
+from ._state import RECOMPUTE
 from ._torch_private import BatchNormBase, DropoutBase, check_input_dim
 from ._verify import not_verified
 

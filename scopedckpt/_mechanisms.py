@@ -45,7 +45,7 @@ from typing import Any, Protocol
 from . import _generators, _guard, _inputs, _report, _rng, _selective, _strict, _verify, _written
 from ._state import FORWARD, RECOMPUTE, Frame, Phase, RegionCall, Tape
 
-__all__ = ["MECHANISMS", "Mechanism", "Undo", "frame_plan", "register_mechanism"]
+__all__ = ["MECHANISMS", "Mechanism", "Undo", "frame_plan", "register_mechanism", "starts"]
 
 Undo = Callable[..., Any]  # called as __exit__ is: (exc_type, exc, traceback)
 
@@ -84,6 +84,20 @@ def register_mechanism(mechanism: Mechanism, *, first: bool = False) -> None:
     global MECHANISMS
     if mechanism not in MECHANISMS:
         MECHANISMS = (mechanism, *MECHANISMS) if first else (*MECHANISMS, mechanism)
+
+
+_STARTS: list[tuple[Callable[[Tape, RegionCall], bool], int]] = []
+_STARTS_OF: tuple[Mechanism, ...] = ()
+
+
+def starts() -> list[tuple[Callable[[Tape, RegionCall], bool], int]]:
+    """Each mechanism's start_region, in MECHANISMS order, with its bit in
+    :func:`frame_plan`'s ``acting``."""
+    global _STARTS, _STARTS_OF
+    if _STARTS_OF is not MECHANISMS:
+        _STARTS = [(m.start_region, 1 << i) for i, m in enumerate(MECHANISMS)]
+        _STARTS_OF = MECHANISMS
+    return _STARTS
 
 
 FramePlan = tuple[tuple[Callable[[Frame], Undo | None], ...], ...]

@@ -159,11 +159,17 @@ def exit_traced_block(previous: tuple[bool, Any]) -> None:
 
 def frame_entered() -> None:
     """An eager region frame starts in this thread (the buffer guard's ``begin``)."""
-    MIRROR.frames += 1
-    MIRROR.eager = True
+    mirror = MIRROR
+    frames = mirror.frames
+    mirror.frames = frames + 1
+    if not frames:
+        mirror.eager = True
 
 
 def frame_left() -> None:
     """An eager region frame ends in this thread."""
-    MIRROR.frames -= 1
-    MIRROR.eager = MIRROR.frames > 0
+    mirror = MIRROR
+    frames = mirror.frames - 1
+    mirror.frames = frames
+    if not frames:
+        mirror.eager = False

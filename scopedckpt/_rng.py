@@ -101,6 +101,8 @@ def _device_access(module: Any, index: int) -> Access:
 
 DEVICE_GENERATORS: Callable[[], list[Access]] = _accelerator_generators
 
+_CPU = torch.default_generator  # the default CPU generator: one object for the process
+
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs twice as much
 class RngStash:
@@ -111,7 +113,7 @@ class RngStash:
 
     def apply(self) -> None:
         """Set every generator to this state."""
-        torch.default_generator.set_state(self.cpu)
+        _CPU.set_state(self.cpu)
         for (_, set_state), state in self.devices:
             set_state(state)
 
@@ -121,14 +123,15 @@ class RngStash:
 
     def current(self) -> RngStash:
         """The same generators' states now, to put back after a recompute."""
-        devices = tuple((access, access[0]()) for access, _ in self.devices)
-        return RngStash(torch.default_generator.get_state(), devices)
+        devices = tuple([(access, access[0]()) for access, _ in self.devices])
+        return RngStash(_CPU.get_state(), devices)
 
 
 def stash() -> RngStash:
     """Copy the states of the default CPU and accelerator generators."""
-    devices = tuple((access, access[0]()) for access in DEVICE_GENERATORS())
-    return RngStash(torch.default_generator.get_state(), devices)
+    accesses = DEVICE_GENERATORS()
+    devices = tuple([(access, access[0]()) for access in accesses]) if accesses else ()
+    return RngStash(_CPU.get_state(), devices)
 
 
 # The phases of the frames enter_frame acts in.
@@ -137,10 +140,10 @@ FRAME_PHASES = frozenset({RECOMPUTE})
 
 def start_region(tape: Tape, call: RegionCall) -> bool:
     """Stash the generators when the region starts, if it replays them."""
-    if not call.preserve_rng_state:
-        return False
-    tape.rng = stash()
-    return True
+    if call.preserve_rng_state:
+        tape.rng = stash()
+        return True
+    return False
 
 
 def enter_frame(frame: Frame) -> Callable[..., None] | None:

@@ -38,9 +38,12 @@ import contextvars
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
 
 from ._errors import ScopedCkptError
+from ._torch_private import version_of
 
 if TYPE_CHECKING:  # the mechanisms' own types; they import this module
     from torch import nn
@@ -56,9 +59,7 @@ if TYPE_CHECKING:  # the mechanisms' own types; they import this module
     from ._verify import Verifying
     from ._written import Copies, Noted
 
-__all__ = ["Phase", "is_recomputing", "phase", "replay"]
-
-T = TypeVar("T")
+__all__ = ["Phase"]
 
 
 class Phase(enum.Enum):
@@ -147,9 +148,29 @@ class RegionCall:
     module: nn.Module | None = None
     fn: object = None  # the function the region runs
     listing: Listing | None = None  # module's subtree (_subtree.subtree), looked up once
+    # The arguments, sorted once for the mechanisms that read them (__post_init__): the
+    # tensors with their version counters, and the rest; each by position or keyword.
+    tensors: list[tuple[int | str, Tensor, int]] = field(init=False)
+    others: list[tuple[int | str, Any]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        tensors: list[tuple[int | str, Tensor, int]] = []
+        others: list[tuple[int | str, Any]] = []
+        self.tensors, self.others = tensors, others
+        for key, value in enumerate(self.args):
+            if isinstance(value, Tensor):
+                tensors.append((key, value, version_of(value)))
+            else:
+                others.append((key, value))
+        if self.kwargs:
+            for name, value in self.kwargs.items():
+                if isinstance(value, Tensor):
+                    tensors.append((name, value, version_of(value)))
+                else:
+                    others.append((name, value))
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)  # __init__ below: one is made per region
 class Tape:
     """The records of one region, in call order, and what its recomputes restore.
 
@@ -167,7 +188,7 @@ class Tape:
     saved: Saved | None = None  # _selective: when the region has a save= policy
     verifying: Verifying | None = None  # _verify: a region with determinism_check="bitwise"
     # _inputs: the region's call and its tensor inputs' versions, until its forward ends.
-    inputs: tuple[RegionCall, tuple[tuple[int | str, Any, int], ...]] | None = None
+    inputs: tuple[RegionCall, list[tuple[int | str, Tensor, int]]] | None = None
     # _written: the subtree's versions and copies until the first forward ends, then the
     # copies of what it wrote, or the listing whose learning its recompute ends, or None.
     written: Noted | Copies | Listing | None = None
@@ -175,8 +196,22 @@ class Tape:
     forward_mechanisms: tuple[Callable[[Frame], Callable[..., Any] | None], ...] = ()
     recompute_mechanisms: tuple[Callable[[Frame], Callable[..., Any] | None], ...] = ()
 
+    def __init__(self, records: list[Record] | None = None) -> None:
+        self.records = [] if records is None else records
+        self.states = {}
+        self.modes = {}
+        self.rng = None
+        self.generators = None
+        self.stats = None
+        self.saved = None
+        self.verifying = None
+        self.inputs = None
+        self.written = None
+        self.forward_mechanisms = ()
+        self.recompute_mechanisms = ()
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)  # __init__ below: one is made per region entry
 class Frame:
     """One entry into a region: its phase, tape, replay cursor and owner.
 
@@ -198,6 +233,27 @@ class Frame:
     hooks: list[RemovableHandle] | None = None  # _guard: a recompute's own; None: global ones
     # _guard: a recompute's own post hooks where global pre-hooks guard its calls.
     exits: list[RemovableHandle] | None = None
+
+    def __init__(
+        self,
+        phase: Phase,
+        tape: Tape,
+        scope: Scope,
+        owner: object | None = None,
+        rewind: bool = False,
+    ) -> None:
+        self.phase = phase
+        self.tape = tape
+        self.scope = scope
+        self.owner = owner
+        self.rewind = rewind
+        self.cursor = 0
+        self.calls = {}
+        self.guards = []
+        self.selective = None
+        self.modules = []
+        self.hooks = None
+        self.exits = None
 
     def take(self, kind: str, owner_id: int | None, label: object) -> Record:
         """Return the next record in ``RECOMPUTE``, checking it belongs to the owner."""
@@ -280,109 +336,3 @@ def module_path(module: object, frame: Frame | None, scope: Scope | None = None)
                 path = ".".join(p for p in (prefix, name) if p) or "<root>"
                 return f"'{path}' ({kind})"
     return f"a {kind} module"
-
-
-def tape_value(kind: str, owner: object, decide: Callable[[], T]) -> tuple[T, Phase]:
-    """Decide once per first forward, replay in every recompute.
-
-    Outside a region ``decide()`` is called and nothing is recorded. Inside a
-    region's first forward ``decide()`` is called and its value appended to the
-    tape. In a recompute the recorded value is returned and ``decide`` is not
-    called (so no random numbers are drawn and no state is touched).
-    """
-    frame = FRAME.get()
-    if frame is None:
-        return decide(), NONE
-    if frame.phase is RECOMPUTE:
-        return frame.take(kind, id(owner), owner).value, RECOMPUTE
-    value = decide()
-    frame.tape.records.append(Record(kind, id(owner), owner, value))
-    return value, FORWARD
-
-
-def phase() -> Phase:
-    """Return the checkpoint phase of the code that calls it.
-
-    The answer is right inside the backward recompute too, although that runs
-    inside ``loss.backward()`` after the ``with checkpointing()`` block exited
-    and, on CUDA, on an autograd worker thread: the recompute sets it itself.
-
-    Returns
-    -------
-    Phase
-        ``NONE`` outside regions, ``FORWARD`` in a region's first
-        forward, ``RECOMPUTE`` while backward recomputes a region.
-
-    Example
-    -------
-    >>> import torch, scopedckpt
-    >>> seen = []
-    >>> def block(x):
-    ...     seen.append(scopedckpt.phase())
-    ...     return x.sin()
-    >>> x = torch.ones(2, requires_grad=True)
-    >>> with scopedckpt.checkpointing():
-    ...     y = scopedckpt.checkpoint(block, x)
-    >>> y.sum().backward()
-    >>> [p.name for p in seen]
-    ['FORWARD', 'RECOMPUTE']
-    """
-    frame = FRAME.get()
-    return NONE if frame is None else frame.phase
-
-
-def is_recomputing() -> bool:
-    """Return whether the calling code runs in a backward recompute.
-
-    Example
-    -------
-    >>> import scopedckpt
-    >>> scopedckpt.is_recomputing()
-    False
-    """
-    return phase() is RECOMPUTE
-
-
-def replay(owner: object, decide: Callable[[], T]) -> T:
-    """Decide in a region's first forward; get the same value back in every recompute.
-
-    The extension point for your own random or stateful layers: whatever
-    ``decide()`` returns in the first forward of a checkpoint region (a token
-    permutation, a Python-random choice, a step count) is recorded on the
-    region's tape, and each backward recompute gets the recorded value without
-    calling ``decide`` again. Calls are checked like scoped layers' calls: a
-    recompute that calls ``replay`` for another owner, or more often, than the
-    first forward raises :class:`scopedckpt.ScopedCkptError`. Outside regions
-    it just returns ``decide()``.
-
-    Parameters
-    ----------
-    owner
-        The object deciding, usually the layer (``self``): named in errors and
-        checked on replay.
-    decide
-        Called once per first forward (and outside regions at every call).
-
-    Returns
-    -------
-    The value ``decide()`` returned in the region's first forward.
-
-    Example
-    -------
-    A layer that keeps a random subset of tokens, chosen with Python's
-    ``random`` (which no stash rewinds):
-
-    >>> import random, torch, scopedckpt
-    >>> class TokenDrop(torch.nn.Module):
-    ...     def forward(self, x):                       # x: (batch, tokens, dim)
-    ...         n = x.shape[1]
-    ...         keep = scopedckpt.replay(self, lambda: sorted(random.sample(range(n), n // 2)))
-    ...         return x[:, keep]
-    >>> layer, x = TokenDrop(), torch.randn(2, 6, 4, requires_grad=True)
-    >>> with scopedckpt.checkpointing():
-    ...     y = scopedckpt.checkpoint(layer, x)
-    >>> y.square().sum().backward()   # the recompute keeps the same tokens
-    >>> int((x.grad.abs().sum((0, 2)) > 0).sum())
-    3
-    """
-    return tape_value("decision", owner, decide)[0]

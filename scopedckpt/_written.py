@@ -216,13 +216,13 @@ def _check(frame: Frame, exc_type: object, *exc: object) -> None:
     noted, frame.tape.written = frame.tape.written, None  # the check runs once
     if exc_type is not None or not isinstance(noted, Noted):
         return
-    call, listing = noted.call, noted.listing
-    kept_parameters = []
-    parameters = noted.parameters
+    listing, parameters = noted.listing, noted.parameters
     moved_any = list(map(version_of, parameters)) != noted.versions
     if not moved_any and not noted.buffers:  # the common case: nothing to keep
         frame.tape.written = listing if listing.learning else None
         return
+    call = noted.call
+    kept_parameters = []
     if moved_any:
         moved = set()
         for index, (p, version) in enumerate(zip(parameters, noted.versions)):

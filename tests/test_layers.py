@@ -674,6 +674,40 @@ def test_batch_norm_recompute_uses_the_mode_of_the_first_forward(
         assert torch.equal(a, b)
 
 
+class _CallsForwardDirectly(nn.Module):
+    """Runs its batch norm's ``forward`` without ``__call__``: no module hook sees that call,
+    so the buffer guard does not put the layer back in its first forward's mode for the
+    recompute (``_first_forward_modes`` in _guard.py), and the layer must replay it itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.bn = nn.Linear(3, 3), scopedckpt.BatchNorm1d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.bn.forward(self.linear(x)))
+
+
+@pytest.mark.parametrize("first_train", [True, False], ids=["train_then_eval", "eval_then_train"])
+def test_batch_norm_replays_its_first_forwards_mode_where_no_hook_sees_its_call(
+    first_train: bool,
+) -> None:
+    def step(checkpointed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = _CallsForwardDirectly()
+        for _ in range(2):  # make the running statistics differ from the batch ones
+            model(torch.randn(8, 3) * 3 + 1)
+        model.train(first_train)
+        x = torch.randn(8, 3, requires_grad=True)
+        with scopedckpt.checkpointing(model, enabled=checkpointed):
+            out = model(x)
+        model.train(not first_train)  # switched between forward and backward
+        (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+        return [out, x.grad, *(p.grad for p in model.parameters()), *model.buffers()]
+
+    for a, b in zip(step(True), step(False), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize(("save_mask", "per_element"), [(True, 1), (False, 0)])
 def test_scoped_dropout_keeps_one_byte_per_element_or_none(
     save_mask: bool, per_element: int

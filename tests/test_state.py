@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import scopedckpt
-from scopedckpt._state import Frame, Phase, Record, Scope, Tape
+from scopedckpt._state import DEFAULT_SCOPE, Frame, Phase, Record, RegionCall, Scope, Tape
 
 
 def _recompute_frame(*records: Record) -> Frame:
@@ -125,3 +125,20 @@ def test_two_dropouts_in_the_same_order_replay_their_own_masks() -> None:
 
     for a, b in zip(grads(True), grads(False)):
         assert torch.equal(a, b)
+
+
+def test_a_region_call_sorts_its_arguments_once_for_every_mechanism() -> None:
+    """Tensors (parameters included) with their version counters, everything else as given,
+    each by position or keyword, in call order."""
+    x, w = torch.randn(2), torch.nn.Parameter(torch.randn(2))
+    x.add_(1)
+    marker = object()
+    call = RegionCall(None, "f", DEFAULT_SCOPE, (x, "s", w), {"k": marker, "y": x}, True, None)
+    assert [(key, t, version) for key, t, version in call.tensors] == [
+        (0, x, 1),
+        (2, w, 0),
+        ("y", x, 1),
+    ]
+    assert call.others == [(1, "s"), ("k", marker)]
+    x.add_(1)  # noted when the region starts, not read again
+    assert call.tensors[0][2] == 1

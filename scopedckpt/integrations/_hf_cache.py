@@ -10,12 +10,8 @@ it for them under its own checkpointing): allowed.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
-
-from torch import Tensor
-from torch.nn import Parameter
 
 from .._errors import ScopedCkptError
 from .._state import Frame, Phase, RegionCall, Tape, describe, module_path
@@ -28,17 +24,12 @@ FRAME_PHASES: frozenset[Phase] = frozenset()  # it never acts in frames
 
 def start_region(tape: Tape, call: RegionCall) -> bool:
     """Refuse a Hugging Face cache among the region's arguments; nothing to do in frames."""
-    # Runs at every region start: tensors pass at once, the layer's opt-out is
+    # Runs at every region start: only non-tensor arguments are looked at, the layer's opt-out is
     # looked up (a failing nn.Module attribute lookup is slow) and names are
     # formatted only when a cache is there.
     owner, label = call.owner, call.label
-    named: Iterable[tuple[int | str, Any]] = enumerate(call.args)
-    if call.kwargs:
-        named = itertools.chain(named, call.kwargs.items())
-    for key, value in named:
+    for key, value in call.others:
         kind = type(value)
-        if kind is Tensor or kind is Parameter:
-            continue
         if kind.__name__.endswith("Cache") and kind.__module__.startswith("transformers."):
             layer = owner if owner is not None else label
             if getattr(layer, "_can_checkpoint_with_cache", False) is True:

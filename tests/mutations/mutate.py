@@ -147,10 +147,19 @@ MUTANTS: tuple[Mutant, ...] = (
         "the recompute updates running_mean/running_var a second time",
     ),
     Mutant(
-        "recompute_decides_again",
+        "region_call_reads_no_keyword_arguments",
         "scopedckpt/_state.py",
+        "        if self.kwargs:\n            for name, value in self.kwargs.items():",
+        "        if False:\n            for name, value in self.kwargs.items():",
+        ("tests/test_state.py", "tests/test_inputs.py"),
+        "a region's keyword arguments are not checked for in-place writes, Hugging Face caches "
+        "or generators",
+    ),
+    Mutant(
+        "recompute_decides_again",
+        "scopedckpt/_replay.py",
         "return frame.take(kind, id(owner), owner).value, RECOMPUTE",
-        "frame.take(kind, id(owner), owner)\n        return decide(), Phase.RECOMPUTE",
+        "frame.take(kind, id(owner), owner)\n        return decide(), RECOMPUTE",
         ("tests/test_engine.py", "tests/test_layers.py"),
         "the recompute draws a new dropout seed (and reads the current mode) instead of replaying",
     ),
@@ -434,8 +443,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "recompute_in_the_current_modes",
         "scopedckpt/_guard.py",
-        "    switched = _first_forward_modes(frame) if frame.phase is RECOMPUTE else None",
-        "    switched = None",
+        "    return functools.partial(end, frame, every_call, _first_forward_modes(frame))",
+        "    return functools.partial(end, frame, every_call, None)",
         ("tests/test_guard.py",),
         "model.eval() between forward and backward: the recompute of an unconverted model "
         "runs in eval mode and torch's checkpoint raises a tensor-count mismatch",
@@ -707,8 +716,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "generators_reach_no_argument",
         "scopedckpt/_generators.py",
-        "    if _scan(call.args, module, found):\n        draws = True\n"
-        "    if call.kwargs and _scan(call.kwargs.values(), module, found):\n        draws = True\n",
+        "    if call.others and _scan([value for _, value in call.others], module, found):\n"
+        "        draws = True\n",
         "",
         ("tests/test_generators.py",),
         "a generator passed to the region is replayed only once a verified call used it",
