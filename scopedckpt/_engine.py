@@ -99,14 +99,16 @@ class _EnterFrame:
         self._entries: list[
             tuple[contextvars.Token[Scope | None], contextvars.Token[Frame | None], list[Undo]]
         ] = []
-        # Holds on module target patches (_targets.Patches), released when torch frees
-        # the region, with this context.
+        # Holds on module target patches (_targets.Patches): a _HoldingFrame's, released
+        # when torch frees the region, with this context, or when a frame fails.
         self.holds: tuple[Any, ...] = ()
         # A first forward's context: the region's recompute context.
         self.partner: _EnterFrame | None = None
 
-    def __del__(self) -> None:
-        self.release()
+    def contexts(self) -> tuple[Any, Any]:
+        """A region's ``context_fn``, on its first forward's context: that context and
+        the region's recompute context (``partner``)."""
+        return self, self.partner
 
     def release(self) -> None:
         """Release the holds on target patches (once)."""
@@ -164,6 +166,19 @@ class _EnterFrame:
                 (self.partner or self).release()
 
 
+class _HoldingFrame(_EnterFrame):
+    """A recompute context that holds module target patches until torch frees it.
+
+    Only these release on deletion: a ``__del__`` on every frame context would
+    run at every region's end, while most hold nothing.
+    """
+
+    __slots__ = ()
+
+    def __del__(self) -> None:
+        self.release()
+
+
 def region_context_fn(
     fn: Callable[..., Any],
     owner: object | None,
@@ -194,7 +209,9 @@ def region_context_fn(
         forward = _EnterFrame(RECOMPUTE, tape, scope, owner, False)  # rewind: no
     else:
         tape = Tape()
-        save = as_policy(options.save)
+        save = options.save
+        if save is not None:
+            save = as_policy(save)
         call = RegionCall(
             owner,
             label,
@@ -216,24 +233,23 @@ def region_context_fn(
         if parent is not None:
             parent.tape.records.append(Record(_REGION, owner_id, label, tape))
         forward = _EnterFrame(FORWARD, tape, scope, owner, False)  # rewind: no
-    recompute = _EnterFrame(RECOMPUTE, tape, scope, owner, True)  # rewind: yes
+    if scope.patches:
+        # Keep module targets patched until torch frees this region: its
+        # recompute must find nested targets patched (see _targets.Patches).
+        recompute: _EnterFrame = _HoldingFrame(RECOMPUTE, tape, scope, owner, True)
+        recompute.holds = tuple(patches.share() for patches in scope.patches)
+    else:
+        recompute = _EnterFrame(RECOMPUTE, tape, scope, owner, True)  # rewind: yes
     forward.partner = recompute
     if isinstance(owner, torch.nn.Module):
         # The owner's forward runs inside the region without __call__: guard it here.
         fn = _guard.guarded_call(owner, fn)
-    if scope.patches:
-        # Keep module targets patched until torch frees this region: its
-        # recompute must find nested targets patched (see _targets.Patches).
-        recompute.holds = tuple(patches.share() for patches in scope.patches)
     COUNTERS.regions += 1
-
-    def ours() -> tuple[Any, Any]:
-        return forward, recompute
 
     context_fn = options.caller_context_fn
     if context_fn is None:
-        return fn, ours
-    return fn, compose(ours, context_fn)
+        return fn, forward.contexts
+    return fn, compose(forward.contexts, context_fn)
 
 
 def region_module(owner: object | None, fn: Callable[..., Any]) -> torch.nn.Module | None:

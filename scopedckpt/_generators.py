@@ -283,6 +283,16 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
     """Stash the generators the region can reach or its site was seen to use; acts where
     there are some, or where the first forward is watched: verified, or running code
     that names generators (NOTE [ watched code ])."""
+    module, listing = call.module, call.listing
+    if (
+        call.fn is module  # a region running a module: no function's places
+        and listing is not None
+        and not (listing.generators or listing.later or listing.draws)
+        and not call.others
+        and not _Sites.found
+        and call.determinism_check != "bitwise"
+    ):
+        return False  # nothing to reach, nothing remembered, not watched (as below)
     empty: list[Place] = []
     known, draws = _reach(call, empty)
     for generator in _known(call):

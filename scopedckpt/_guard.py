@@ -218,25 +218,29 @@ def enter_frame(frame: Frame) -> Callable[..., None]:
         _install(every_call)
         return functools.partial(end, frame, every_call, None)
     states = frame.tape.states
+    modules = {id(s.module): s.module for s in states.values()} if states else None
     # Another global pre-hook (a user's) runs before every module's own hooks, and may
     # update buffers: the guard's global one, in front of it, must swap them first.
     foreign = len(GLOBAL_PRE_HOOKS) > (_KEY in GLOBAL_PRE_HOOKS)
     if not every_call and not foreign:
-        modules = {id(s.module): s.module for s in states.values()} if states else {}
-        frame.hooks = [h for m in modules.values() for h in _own_hooks(frame, m)]
+        frame.hooks = []
+        if modules:
+            frame.hooks = [h for m in modules.values() for h in _own_hooks(frame, m)]
     else:
         _install(every_call)
         # Global post hooks run before a module's own: the real buffers go back after
         # those (which update the swapped copies), from hooks of its own.
-        modules = {id(s.module): s.module for s in states.values()}
-        frame.exits = [_own_exit(frame, m) for m in modules.values()]
+        frame.exits = [_own_exit(frame, m) for m in modules.values()] if modules else []
     return functools.partial(end, frame, every_call, _first_forward_modes(frame))
 
 
 def _first_forward_modes(frame: Frame) -> list[tuple[nn.Module, bool]] | None:
     """Put the modules the first forward called back in the modes it called them in
     (``model.eval()`` between forward and backward); returns those switched."""
-    switched = [(m, t) for m, t in frame.tape.modes.values() if m.training is not t]
+    modes = frame.tape.modes
+    if not modes:  # no module called in the first forward
+        return None
+    switched = [(m, t) for m, t in modes.values() if m.training is not t]
     for module, training in switched:
         module.training = training
     return switched or None
@@ -269,9 +273,12 @@ def end(
 _KEY = "scopedckpt buffer guard"
 
 
+# _install and _uninstall run at every first forward's entry and exit: they acquire and
+# release the lock by hand, not in a ``with`` statement.
 def _install(post: bool) -> None:
     global _PRE_USERS, _POST_USERS
-    with _LOCK:
+    _LOCK.acquire()
+    try:
         _PRE_USERS += 1
         if _PRE_USERS == 1:
             GLOBAL_PRE_HOOKS[_KEY] = _pre_hook
@@ -284,11 +291,14 @@ def _install(post: bool) -> None:
             if _POST_USERS == 1:
                 GLOBAL_POST_HOOKS[_KEY] = _post_hook
                 GLOBAL_POST_HOOKS_ALWAYS_CALLED[_KEY] = True
+    finally:
+        _LOCK.release()
 
 
 def _uninstall(post: bool) -> None:
     global _PRE_USERS, _POST_USERS
-    with _LOCK:
+    _LOCK.acquire()
+    try:
         _PRE_USERS -= 1
         if not _PRE_USERS:
             del GLOBAL_PRE_HOOKS[_KEY]
@@ -297,6 +307,8 @@ def _uninstall(post: bool) -> None:
             if not _POST_USERS:
                 del GLOBAL_POST_HOOKS[_KEY]
                 del GLOBAL_POST_HOOKS_ALWAYS_CALLED[_KEY]
+    finally:
+        _LOCK.release()
 
 
 def installed() -> list[str]:

@@ -28,7 +28,7 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
     """Note the versions of the region's tensor inputs; acts in its first forward if any."""
     if not call.tensors:
         return False
-    tape.inputs = (call, call.tensors)
+    tape.inputs = call
     return True
 
 
@@ -38,11 +38,10 @@ def enter_frame(frame: Frame) -> Callable[..., None]:
 
 
 def _check(frame: Frame, exc_type: object, *exc: object) -> None:
-    noted, frame.tape.inputs = frame.tape.inputs, None  # the check runs once
-    if exc_type is not None or noted is None:
+    call, frame.tape.inputs = frame.tape.inputs, None  # the check runs once
+    if exc_type is not None or call is None:
         return
-    call, inputs = noted
-    for name, tensor, version in inputs:
+    for name, tensor, version in call.tensors:
         if version_of(tensor) != version:
             raise ScopedCkptError(_message(call, name))
 

@@ -378,6 +378,8 @@ FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
 
 def start_region(tape: Tape, call: RegionCall) -> bool:
     """A region starts: its row, if a report is open."""
+    if not _ACTIVE:
+        return False
     tape.stats = start(call.owner, call.label, call.scope.root, call.args, call.kwargs)
     return tape.stats is not None
 

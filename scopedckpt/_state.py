@@ -187,8 +187,8 @@ class Tape:
     stats: RegionStats | None = None  # _report: while a memory_report() block measures it
     saved: Saved | None = None  # _selective: when the region has a save= policy
     verifying: Verifying | None = None  # _verify: a region with determinism_check="bitwise"
-    # _inputs: the region's call and its tensor inputs' versions, until its forward ends.
-    inputs: tuple[RegionCall, list[tuple[int | str, Tensor, int]]] | None = None
+    # _inputs: the region's call (its tensor inputs' versions), until its forward ends.
+    inputs: RegionCall | None = None
     # _written: the subtree's versions and copies until the first forward ends, then the
     # copies of what it wrote, or the listing whose learning its recompute ends, or None.
     written: Noted | Copies | Listing | None = None

@@ -135,14 +135,14 @@ def may_write_parameters(module: nn.Module) -> bool:
 
 def subtree(owner: nn.Module) -> Listing:
     """The listing of ``owner``'s subtree, made again when any module registered anything."""
-    if not _Listing.installed:
+    entry = _Listing.by_owner.get(id(owner))
+    if entry is not None and entry.owner() is owner and entry.generation == _Listing.generation:
+        return entry
+    if not _Listing.installed:  # at the first listing: none is valid before it
         _Listing.installed = True
         torch_module.register_module_parameter_registration_hook(_registered)
         torch_module.register_module_buffer_registration_hook(_buffer_registered)
         torch_module.register_module_module_registration_hook(_registered)
-    entry = _Listing.by_owner.get(id(owner))
-    if entry is not None and entry.owner() is owner and entry.generation == _Listing.generation:
-        return entry
     named = tuple(
         (name, p) for name, p in owner.named_parameters(remove_duplicate=True) if not is_lazy(p)
     )

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,8 +102,8 @@ class Noted:
     parameters: tuple[Tensor, ...]  # listing.parameters as registered when it started
     versions: list[int]  # of parameters
     # each guarded buffer there now as (module's qualified name, module, name, tensor)
-    buffers: list[tuple[str, nn.Module, str, Tensor]]
-    buffer_versions: list[int]
+    buffers: Sequence[tuple[str, nn.Module, str, Tensor]]
+    buffer_versions: Sequence[int]
     copies: dict[int, Tensor]  # by index into buffers: its value before the region
     parameter_copies: dict[int, Tensor]  # by index into listing.parameters: the same
 
@@ -125,29 +125,26 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
     learning = listing.learning
     copied = listing.writable if learning else listing.written_parameters
     parameter_copies = {i: parameters[i].detach().clone() for i in copied} if copied else _NONE
+    versions = list(map(version_of, parameters))
+    if not listing.buffers:
+        tape.written = Noted(call, listing, parameters, versions, (), (), _NONE, parameter_copies)
+        return True
     buffers: list[tuple[str, nn.Module, str, Tensor]] = []
     copies: dict[int, Tensor] = {}
-    if listing.buffers:
-        learned = listing.written
-        for qualified, holder_ref, name in listing.buffers:
-            holder = holder_ref()
-            if holder is None:  # taken out of the subtree since listed, and gone
-                continue
-            b = module_buffers(holder).get(name)
-            if b is None or is_lazy(b):
-                continue
-            if learning or (qualified, name) in learned:
-                copies[len(buffers)] = b.clone()
-            buffers.append((qualified, holder, name, b))
+    learned = listing.written
+    for qualified, holder_ref, name in listing.buffers:
+        holder = holder_ref()
+        if holder is None:  # taken out of the subtree since listed, and gone
+            continue
+        b = module_buffers(holder).get(name)
+        if b is None or is_lazy(b):
+            continue
+        if learning or (qualified, name) in learned:
+            copies[len(buffers)] = b.clone()
+        buffers.append((qualified, holder, name, b))
+    buffer_versions = [version_of(b) for *_, b in buffers]
     tape.written = Noted(
-        call,
-        listing,
-        parameters,
-        list(map(version_of, parameters)),
-        buffers,
-        [version_of(b) for *_, b in buffers] if buffers else [],
-        copies,
-        parameter_copies,
+        call, listing, parameters, versions, buffers, buffer_versions, copies, parameter_copies
     )
     return True
 

@@ -332,8 +332,9 @@ KINDS: dict[str, type[Gated]] = {
     "argument": Attribute,
     "closure": Attribute,
     "partial": Attribute,
+    "argument, none held": MadeElsewhere,  # its only generator the one it is given
 }
-GIVEN = ("argument", "closure", "partial")
+GIVEN = ("argument", "closure", "partial", "argument, none held")
 
 
 def _reseed() -> None:
@@ -348,14 +349,14 @@ def _reseed() -> None:
 
 
 def _train_gated(
-    reach: str, checkpointed: bool, steps: int = 4, first_noisy: int = 1
+    reach: str, checkpointed: bool, steps: int = 4, first_noisy: int = 1, called: bool = False
 ) -> list[torch.Tensor]:
     """Gradients and the generator's state after each step, the block a region reached as
-    ``reach`` says: by its module target, or as a function region given the generator
-    as an argument, in a closure, or in a partial."""
+    ``reach`` says: by its module target (``called``: ``checkpoint(block, x)`` instead),
+    or as a region given the generator as an argument, in a closure, or in a partial."""
     if reach == "global hook":
         with _global_hook():
-            return _train_gated("global hook, registered", checkpointed, steps, first_noisy)
+            return _train_gated("global hook, registered", checkpointed, steps, first_noisy, called)
     reach = reach.removesuffix(", registered")
     torch.manual_seed(0)
     _reseed()
@@ -366,7 +367,7 @@ def _train_gated(
     seen: list[torch.Tensor] = []
 
     def region(inputs: torch.Tensor) -> torch.Tensor:
-        if reach == "argument":
+        if reach in ("argument", "argument, none held"):
             return scopedckpt.checkpoint(block, inputs, given)
         if reach == "closure":
             return scopedckpt.checkpoint(lambda t: block(t, given), inputs)
@@ -379,6 +380,9 @@ def _train_gated(
         if checkpointed and reach in GIVEN:
             with scopedckpt.checkpointing():
                 loss = head(region(x)).sum()
+        elif checkpointed and called:
+            with scopedckpt.checkpointing():
+                loss = head(scopedckpt.checkpoint(block, x)).sum()
         elif checkpointed:
             with scopedckpt.checkpointing(block):
                 loss = head(block(x)).sum()
@@ -496,11 +500,15 @@ def test_a_generator_put_where_none_was_is_found_only_by_verified_calls() -> Non
 
 
 @pytest.mark.usefixtures("places_alone")
-def test_a_generator_found_by_a_verified_call_is_replayed_at_the_sites_later_calls() -> None:
+@pytest.mark.parametrize("called", [False, True], ids=["target", "called"])
+def test_a_generator_found_by_a_verified_call_is_replayed_at_the_sites_later_calls(
+    called: bool,
+) -> None:
     """One the region cannot reach without running, used at every call: the first call
-    (verified) finds it, the later ones (not verified) stash it."""
+    (verified) finds it, the later ones (not verified) stash it; a region that calls the
+    block itself as well as one over its module target."""
     plain = _train_gated("made elsewhere", checkpointed=False, first_noisy=0)
-    checkpointed = _train_gated("made elsewhere", checkpointed=True, first_noisy=0)
+    checkpointed = _train_gated("made elsewhere", checkpointed=True, first_noisy=0, called=called)
     assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
 
 

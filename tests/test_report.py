@@ -83,6 +83,30 @@ def test_freed_bytes_agree_with_a_saved_tensors_hooks_count(
     assert report.totals["freed_bytes"] == expected
 
 
+@pytest.mark.usefixtures("no_sampling")  # a verified forward keeps its saved tensors
+def test_a_storage_at_a_freed_storages_address_counts_as_freed_again() -> None:
+    # Two storages over one Python buffer share an address without the allocator's help:
+    # the second, saved after the first is freed, is a new saved tensor.
+    buffer = bytearray(4 * 64)
+    nbytes = len(buffer)
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        first = torch.frombuffer(buffer, dtype=torch.float32)
+        y = x * first  # saves `first`
+        key = first.untyped_storage().data_ptr()
+        del first  # freed: the region's saved tensors are not kept
+        second = torch.frombuffer(buffer, dtype=torch.float32)
+        assert second.untyped_storage().data_ptr() == key
+        return y * second  # saves `second`, at the freed storage's address
+
+    x = torch.randn(64, requires_grad=True)
+    with scopedckpt.memory_report() as report:
+        with scopedckpt.checkpointing():
+            loss = scopedckpt.checkpoint(region, x).sum()
+        loss.backward()
+    assert report.totals["freed_bytes"] == 2 * nbytes
+
+
 @pytest.mark.usefixtures("no_sampling")  # no verified column
 def test_rows_count_calls_recomputes_and_what_the_region_keeps() -> None:
     model = _model()

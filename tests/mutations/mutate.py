@@ -433,6 +433,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "(torch's error at backward names no region)",
     ),
     Mutant(
+        "holding_recompute_never_released",
+        "scopedckpt/_engine.py",
+        "        recompute: _EnterFrame = _HoldingFrame(RECOMPUTE, tape, scope, owner, True)",
+        "        recompute: _EnterFrame = _EnterFrame(RECOMPUTE, tape, scope, owner, True)",
+        ("tests/test_targets.py",),
+        "module targets stay patched after torch frees the regions that hold them",
+    ),
+    Mutant(
         "failed_forward_keeps_target_patches",
         "scopedckpt/_engine.py",
         "                (self.partner or self).release()",
@@ -672,6 +680,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "",
         ("tests/test_generators.py",),
         "a region drawing from its own generator recomputes from other random numbers",
+    ),
+    Mutant(
+        "generators_module_region_forgets_its_site",
+        "scopedckpt/_generators.py",
+        "        and not _Sites.found\n",
+        "",
+        ("tests/test_generators.py", "tests/test_testing.py"),
+        "a region running a module skips the generators a verified call of its site found",
+    ),
+    Mutant(
+        "generators_module_region_ignores_its_arguments",
+        "scopedckpt/_generators.py",
+        "        and not call.others\n",
+        "",
+        ("tests/test_generators.py",),
+        "a region running a module skips a generator among its arguments",
     ),
     Mutant(
         "generators_never_watched",
