@@ -25,10 +25,11 @@ starts (before any use, as the default generators are stashed):
 * the generators watched first forwards of its site were seen to use: a
   *watched* first forward (a verified one, ``determinism_check="bitwise"``:
   by default the first call of each region site and every 64th, NOTE
-  [ sampled verification ]; and every one running code that names
-  generators, NOTE [ watched code ]) runs under a ``TorchFunctionMode`` that
-  looks at each torch call's arguments for a non-default generator, stashes
-  it at its first use and remembers it for the site (weakly).
+  [ sampled verification ]; every one running code that names generators,
+  NOTE [ watched code ]; and every later one of a site where the watch found
+  one) runs under a ``TorchFunctionMode`` that looks at each torch call's
+  arguments for a non-default generator, stashes it at its first use and
+  remembers it for the site (weakly; NOTE [ watched sites ] in ``_watch.py``).
 
 Every recompute sets the stashed states, runs, and puts back the states it
 found; a region nested in another and replayed inside its recompute does not
@@ -56,10 +57,12 @@ first forwards of a region running such code are watched at every call,
 verified or not, and so stash any generator at its first use. Code that
 names none pays nothing. The limit: code the search does not look at (a
 hook registered after the listing, an installed library's, torch's) that
-uses a generator no place held, first on a call that is not verified, or
-code passing one under another name (``**kwargs``, positionally to
-``torch.nn.init``); the site's next verified call stashes it and remembers
-it for the site's later calls.
+uses a generator no place held, or code passing one under another name
+(``**kwargs``, positionally to ``torch.nn.init``), first on a call that is
+not watched. The site's next sampled verified call finds it: where the
+generator has drawn since it was seeded (the unwatched calls may have drawn
+from it) it raises ``ScopedCkptError``; else it stashes it, and every later
+first forward of the site is watched (NOTE [ watched sites ] in ``_watch.py``).
 
 Scoped layers given ``generator=`` record their seeds; a recompute that
 replays their generator draws each seed again (NOTE [ aligned draws ] in
@@ -80,28 +83,22 @@ from __future__ import annotations
 
 import functools
 import types
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from ._mask import MASK_GENERATORS
 from ._reach import Place, follow, function_places
-from ._sampling import site_of
 from ._slots import empty_for_recompute
 from ._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape
 from ._subtree import Listing, subtree
+from ._watch import Sites, Stash, Watch, defaults, known
 
-__all__ = ["FRAME_PHASES", "Generators", "Stash", "enter_frame", "reachable", "start_region"]
+__all__ = ["FRAME_PHASES", "Generators", "enter_frame", "reachable", "start_region"]
 
 FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
-
-# Each explicit generator a region uses, with its state before its first use there.
-Stash = list[tuple[torch.Generator, torch.Tensor]]
 
 
 @dataclass(slots=True, eq=False)
@@ -116,47 +113,10 @@ class Generators:
     # The slots of its module's subtree that held no generator when it started (NOTE
     # [ generator slots ]): its recomputes empty those its first forward filled.
     empty: list[Place]
-    # Where the code it runs names generators (NOTE [ watched code ]), the call: its first
-    # forward is watched whether or not it is verified.
-    draws: RegionCall | None = None
-
-
-class _Sites:
-    """The explicit generators found per region site: site key -> (a weak reference to
-    what the key follows, weak references to the generators)."""
-
-    found: ClassVar[dict[int, tuple[Any, list[weakref.ref[torch.Generator]]]]] = {}
-
-
-def _defaults() -> set[int]:
-    """The ids of torch's default generators (the RNG replay's), CPU and initialised
-    accelerators."""
-    ids = {id(torch.default_generator)}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        ids.update(id(g) for g in torch.cuda.default_generators)
-    return ids
-
-
-def _known(call: RegionCall) -> list[torch.Generator]:
-    """The live generators remembered for the site of ``call``."""
-    if not _Sites.found:
-        return []
-    key, alive = site_of(call.module, call.fn)
-    entry = _Sites.found.get(key)
-    if entry is None or entry[0]() is not alive:
-        return []
-    return [g for ref in entry[1] if (g := ref()) is not None]
-
-
-def _remember(call: RegionCall, generator: torch.Generator) -> None:
-    key, alive = site_of(call.module, call.fn)
-    entry = _Sites.found.get(key)
-    if entry is None or entry[0]() is not alive:
-        if len(_Sites.found) >= 4096:
-            _Sites.found.clear()
-        entry = _Sites.found[key] = (weakref.ref(alive), [])
-    if all(ref() is not generator for ref in entry[1]):
-        entry[1].append(weakref.ref(generator))
+    # Where its first forward is watched whether or not it is verified, the call: the code
+    # it runs names generators (NOTE [ watched code ]), or its site used one no place held
+    # (NOTE [ watched sites ] in _watch.py).
+    always: RegionCall | None = None
 
 
 def _function_places(fn: object) -> tuple[list[object], object, tuple[Place, ...], bool]:
@@ -226,8 +186,8 @@ def _reach(call: RegionCall, empty: list[Place] | None) -> tuple[list[torch.Gene
             if generator is not None:
                 _add(found, generator)
     if found:
-        defaults = _defaults()
-        found = [g for g in found if id(g) not in defaults]
+        default = defaults()
+        found = [g for g in found if id(g) not in default]
     return found, draws
 
 
@@ -281,83 +241,48 @@ def _listed(
 
 def start_region(tape: Tape, call: RegionCall) -> bool:
     """Stash the generators the region can reach or its site was seen to use; acts where
-    there are some, or where the first forward is watched: verified, or running code
-    that names generators (NOTE [ watched code ])."""
+    there are some, or where the first forward is watched: verified, running code that
+    names generators (NOTE [ watched code ]), or of a site seen to use one (NOTE
+    [ watched sites ] in ``_watch.py``)."""
     module, listing = call.module, call.listing
     if (
         call.fn is module  # a region running a module: no function's places
         and listing is not None
         and not (listing.generators or listing.later or listing.draws)
         and not call.others
-        and not _Sites.found
+        and not Sites.found
         and call.determinism_check != "bitwise"
     ):
         return False  # nothing to reach, nothing remembered, not watched (as below)
     empty: list[Place] = []
-    known, draws = _reach(call, empty)
-    for generator in _known(call):
-        _add(known, generator)
-    watched = draws or call.determinism_check == "bitwise"
-    if not known and not watched and not empty:
+    reached, always = _reach(call, empty)
+    remembered = known(call)
+    if remembered is not None:  # NOTE [ watched sites ] in _watch.py
+        always = True
+        # stashed before any use, as the reachable ones: the watch sees eager calls only
+        for generator in remembered:
+            _add(reached, generator)
+    watched = always or call.determinism_check == "bitwise"
+    if not reached and not watched and not empty:
         return False
-    stash = [(g, g.get_state()) for g in known]
-    tape.generators = Generators(stash, watched, empty, call if draws else None)
+    stash = [(g, g.get_state()) for g in reached]
+    tape.generators = Generators(stash, watched, empty, call if always else None)
     return True
 
 
-class _Watch(TorchFunctionMode):
-    """Stashes each non-default generator at its first use in a region's first forward."""
-
-    def __init__(self, stash: Stash | None, call: RegionCall | None) -> None:
-        super().__init__()
-        self.stash, self.call = stash, call  # None: a recompute's, which sees nothing
-        self.defaults = _defaults()
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        if kwargs is None:
-            kwargs = {}
-        if torch.compiler.is_compiling():  # the same trace under either watch
-            return func(*args, **kwargs)
-        generator = kwargs.get("generator") if kwargs else None
-        if generator is None:
-            for arg in args:
-                if type(arg) is torch.Generator:
-                    generator = arg
-                    break
-            else:
-                return func(*args, **kwargs)
-        stash = self.stash
-        if (
-            stash is not None
-            and type(generator) is torch.Generator
-            and id(generator) not in self.defaults
-            and generator not in MASK_GENERATORS
-            and all(g is not generator for g, _ in stash)
-        ):
-            stash.append((generator, generator.get_state()))
-            assert self.call is not None
-            _remember(self.call, generator)
-        return func(*args, **kwargs)
-
-
 def enter_frame(frame: Frame) -> Callable[..., None] | None:
-    """A watched first forward (verified, or running code that names generators): watch
-    for generators. A recompute: replay them."""
+    """A watched first forward (verified, running code that names generators, or of a
+    site seen to use one): watch for generators. A recompute: replay them."""
     generators = frame.tape.generators
     assert generators is not None  # start_region made it
     stash = generators.stash
     if frame.phase is not RECOMPUTE:
         verifying = frame.tape.verifying
-        call = generators.draws if verifying is None else verifying.call
+        always = generators.always
+        call = always if verifying is None else verifying.call
         if call is None:
             return None
-        watching = _Watch(stash, call)
+        watching = Watch(stash, call, sampled=always is None)
         watching.__enter__()
         return watching.__exit__
     found = [(g, g.get_state()) for g, _ in stash]
@@ -369,9 +294,9 @@ def enter_frame(frame: Frame) -> Callable[..., None] | None:
     refill = (
         [r for slot in generators.empty if (r := empty_for_recompute(slot))] if frame.rewind else []
     )
-    watch: _Watch | None = None
+    watch: Watch | None = None
     if generators.watched:
-        watch = _Watch(None, None)
+        watch = Watch(None, None, sampled=False)
         watch.__enter__()
     if not found and watch is None and not refill:
         return None
@@ -380,7 +305,7 @@ def enter_frame(frame: Frame) -> Callable[..., None] | None:
 
 
 def _put_back(
-    found: Stash, watch: _Watch | None, refill: list[Callable[[], None]], *exc: object
+    found: Stash, watch: Watch | None, refill: list[Callable[[], None]], *exc: object
 ) -> None:
     try:
         if watch is not None:

@@ -29,7 +29,13 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-__all__ = ["sampled_check", "set_verification_sampling", "suspended"]
+__all__ = [
+    "sampled_check",
+    "sampling_period",
+    "set_verification_sampling",
+    "suspended",
+    "unverified_calls_before",
+]
 
 _SITES_MAX = 4096
 
@@ -116,3 +122,18 @@ def sampled_check(check: str, owner: object | None, fn: object) -> str:
         ref, calls = entry
     sites[key] = (ref, calls + 1)
     return "bitwise" if calls % every == 0 else check
+
+
+def sampling_period() -> int:
+    """The period of sampled verification (0: off)."""
+    return _Sampling.every
+
+
+def unverified_calls_before(owner: object | None, fn: object) -> bool:
+    """Whether the site of the call being made, sampled and verified now, had earlier
+    calls that sampling left unverified."""
+    if _Sampling.every == 1:
+        return False
+    key, alive = site_of(owner, fn)
+    entry = _Sampling.sites.get(key)
+    return entry is not None and entry[0]() is alive and entry[1] > 1

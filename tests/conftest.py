@@ -37,7 +37,7 @@ def _no_scope_leaks():
     """Every test must leave no scope, frame, patch or global hook behind."""
     import torch.utils.checkpoint as torch_checkpoint
 
-    from scopedckpt import _early_stop, _generators, _guard, _patch, _report, _sampling, _targets
+    from scopedckpt import _early_stop, _guard, _patch, _report, _sampling, _targets, _watch
     from scopedckpt._state import FRAME, SCOPE
 
     # Sampled verification counts calls per site, and NOTE [ late writes ] remembers
@@ -45,7 +45,7 @@ def _no_scope_leaks():
     # afresh, whatever ran before it.
     _sampling._Sampling.sites.clear()
     _early_stop._Found.sites.clear()
-    _generators._Sites.found.clear()
+    _watch.Sites.found.clear()
     yield
     gc.collect()  # regions hold target patches until torch frees them
     assert SCOPE.get() is None, "a checkpointing scope leaked out of the test"

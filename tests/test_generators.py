@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import scopedckpt
-from scopedckpt import _generators
+from scopedckpt import _generators, _watch
 from scopedckpt._state import DEFAULT_SCOPE, RegionCall
 
 
@@ -312,6 +312,15 @@ class MadeElsewhere(Gated):
         return made if made is not None else torch.Generator()  # none yet
 
 
+class Remade(MadeElsewhere):
+    """Is given a new generator at every step by the training loop (:meth:`step_begins`),
+    in the attribute where a helper put its first: a place no listing holds."""
+
+    def step_begins(self) -> None:
+        if "generator" in vars(self):
+            self.generator = _new_generator()
+
+
 # How a block reaches its generator; argument, closure and partial: a function region
 # handed it (by an Attribute block, which holds another).
 KINDS: dict[str, type[Gated]] = {
@@ -329,6 +338,7 @@ KINDS: dict[str, type[Gated]] = {
     "late": Late,
     "lazy": Lazy,
     "made elsewhere": MadeElsewhere,
+    "remade": Remade,
     "argument": Attribute,
     "closure": Attribute,
     "partial": Attribute,
@@ -377,6 +387,8 @@ def _train_gated(
 
     for step in range(steps):
         block.noisy = step >= first_noisy
+        if isinstance(block, Remade):
+            block.step_begins()
         if checkpointed and reach in GIVEN:
             with scopedckpt.checkpointing():
                 loss = head(region(x)).sum()
@@ -396,7 +408,7 @@ def _train_gated(
     return seen
 
 
-REACHES = [reach for reach in KINDS if reach != "made elsewhere"]
+REACHES = [reach for reach in KINDS if reach not in ("made elsewhere", "remade")]
 
 
 @pytest.fixture
@@ -492,7 +504,8 @@ def test_a_generator_put_where_none_was_is_found_only_by_verified_calls() -> Non
     """The limit of places alone (NOTE [ generator places ]): a generator a helper makes,
     kept in an attribute the block did not have when its subtree was listed, is not
     looked for, so without the watch of code that names it a first use on an unverified
-    call goes unseen."""
+    call goes unseen (until the site's next sampled verified call refuses it, NOTE
+    [ watched sites ])."""
     assert not all(
         torch.equal(a, b)
         for a, b in zip(_train_gated("made elsewhere", False), _train_gated("made elsewhere", True))
@@ -509,6 +522,61 @@ def test_a_generator_found_by_a_verified_call_is_replayed_at_the_sites_later_cal
     block itself as well as one over its module target."""
     plain = _train_gated("made elsewhere", checkpointed=False, first_noisy=0)
     checkpointed = _train_gated("made elsewhere", checkpointed=True, first_noisy=0, called=called)
+    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+
+
+@pytest.fixture
+def every_second_call() -> Iterator[None]:
+    """Sampled verification of every second call of a site: calls 1, 3, 5, ..."""
+    previous = scopedckpt.set_verification_sampling(2)
+    yield
+    scopedckpt.set_verification_sampling(previous)
+
+
+@pytest.mark.usefixtures("places_alone", "every_second_call")
+def test_a_generator_first_used_unwatched_is_refused_at_the_next_sampled_call() -> None:
+    """NOTE [ watched sites ]: first used on the second call, which nothing watched (its
+    recompute drew other numbers), the generator is found by the third, verified: it has
+    drawn before, so the region refuses it, named, with the fix."""
+    with pytest.raises(scopedckpt.ScopedCkptError) as raised:
+        _train_gated("made elsewhere", checkpointed=True, first_noisy=1)
+    message = str(raised.value)
+    assert "MadeElsewhere" in message
+    assert "every 2-th" in message
+    assert "set_verification_sampling(1)" in message
+
+
+@pytest.mark.usefixtures("places_alone", "every_second_call")
+def test_a_generator_made_for_a_sampled_call_is_replayed_from_then_on_with_a_warning() -> None:
+    """First used on the third call (verified), freshly seeded: made for it, or reseeded
+    for it after drawing on the unwatched calls before; it is stashed, the site's later
+    calls are watched, and the warning says what may have gone before."""
+    plain = _train_gated("made elsewhere", checkpointed=False, steps=6, first_noisy=2)
+    with pytest.warns(UserWarning, match="freshly seeded") as warned:
+        checkpointed = _train_gated("made elsewhere", checkpointed=True, steps=6, first_noisy=2)
+    assert len(warned) == 1  # the site is watched from then on
+    assert "MadeElsewhere" in str(warned[0].message)
+    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+
+
+@pytest.mark.usefixtures("places_alone", "every_second_call")
+def test_a_generator_reseeded_after_unwatched_draws_is_warned_of() -> None:
+    """The training loop puts a freshly seeded generator in place at every step; the second
+    call (unwatched) drew from one, so its gradients are not plain training's, and the
+    third (verified) finds it freshly seeded: it can only warn."""
+    plain = _train_gated("remade", checkpointed=False, steps=3, first_noisy=1)
+    with pytest.warns(UserWarning, match="reseeded before each step"):
+        checkpointed = _train_gated("remade", checkpointed=True, steps=3, first_noisy=1)
+    assert not all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+
+
+@pytest.mark.usefixtures("places_alone")
+def test_a_new_generator_where_a_sites_first_was_is_replayed_at_its_first_use() -> None:
+    """NOTE [ watched sites ]: the first call (verified) finds the block's generator; the
+    training loop puts a new one in its place at every step, which no listing holds and
+    no verified call sees: the site's first forwards are watched from then on."""
+    plain = _train_gated("remade", checkpointed=False, steps=5, first_noisy=0)
+    checkpointed = _train_gated("remade", checkpointed=True, steps=5, first_noisy=0)
     assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
 
 
@@ -666,8 +734,8 @@ def test_a_generator_found_once_is_stashed_by_the_sites_later_calls() -> None:
     with scopedckpt.checkpointing(block):
         block(x).sum().backward()
     key = id(block)
-    assert key in _generators._Sites.found
-    (ref,) = _generators._Sites.found[key][1]
+    assert key in _watch.Sites.found
+    (ref,) = _watch.Sites.found[key][1]
     assert ref() is block.generator_now()
 
 
@@ -725,7 +793,7 @@ def test_the_scoped_layers_mask_generators_are_never_stashed() -> None:
     for _ in range(2):
         with scopedckpt.checkpointing(model):
             model(x).sum().backward()
-    assert _generators._Sites.found == {}
+    assert _watch.Sites.found == {}
 
 
 def test_the_code_of_other_libraries_is_not_followed() -> None:

@@ -386,6 +386,17 @@ def made_by_a_helper():
     assert all(torch.equal(a, b) for a, b in zip(plain, ours))
 
 
+def refused_only_after_drawing():
+    """NOTE [ watched sites ]: a generator on the device reads as freshly seeded until it
+    draws, so only one that drew before a sampled call finds it is refused."""
+    from scopedckpt._watch import _seeded_only
+
+    g = torch.Generator(device=dev).manual_seed(5)
+    assert _seeded_only(g, g.get_state())
+    torch.randn(4, device=dev, generator=g)
+    assert not _seeded_only(g, g.get_state())
+
+
 def main() -> int:
     print("torch", torch.__version__, "cuda", torch.cuda.is_available())
     check("mask bits on cuda", mask_bits)
@@ -405,6 +416,7 @@ def main() -> int:
     check("explicit generators on cuda: reached, shared with a scoped layer", explicit_generators)
     check("a generator a forward makes on cuda: made again by every recompute", made_in_forward)
     check("a generator a helper makes on cuda: stashed by the watch", made_by_a_helper)
+    check("a cuda generator reads as freshly seeded until it draws", refused_only_after_drawing)
     check("compiled on cuda: scopedckpt lands where torch's checkpoint does", compiled)
     check("a plan at half the peak: exact, its peak as predicted", planned)
     check("the planner's benchmark on cuda: peaks as predicted", plan_benchmark)

@@ -684,7 +684,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "generators_module_region_forgets_its_site",
         "scopedckpt/_generators.py",
-        "        and not _Sites.found\n",
+        "        and not Sites.found\n",
         "",
         ("tests/test_generators.py", "tests/test_testing.py"),
         "a region running a module skips the generators a verified call of its site found",
@@ -716,10 +716,42 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "generators_not_stashed_by_later_calls",
         "scopedckpt/_generators.py",
-        "    for generator in _known(call):\n",
-        "    for generator in []:\n",
+        "    remembered = known(call)\n",
+        "    remembered = None\n",
         ("tests/test_generators.py",),
         "an explicit generator is replayed only on verified calls",
+    ),
+    Mutant(
+        "generators_unseen_draws_not_refused",
+        "scopedckpt/_watch.py",
+        "                    raise ScopedCkptError(_message(call))\n",
+        "                    pass\n",
+        ("tests/test_generators.py",),
+        "a generator first used on unwatched calls is stashed at the next verified one, silently",
+    ),
+    Mutant(
+        "generators_refuses_a_freshly_seeded_generator",
+        "scopedckpt/_watch.py",
+        "                if not _seeded_only(generator, state):\n",
+        "                if True:\n",
+        ("tests/test_generators.py",),
+        "a generator made for a sampled verified call is refused although it drew nothing before",
+    ),
+    Mutant(
+        "generators_fresh_unseen_draws_not_warned",
+        "scopedckpt/_watch.py",
+        "                warnings.warn(_warning(call), stacklevel=2)\n",
+        "",
+        ("tests/test_generators.py",),
+        "a freshly seeded generator first found at a sampled call is stashed without a word",
+    ),
+    Mutant(
+        "generators_site_not_watched",
+        "scopedckpt/_generators.py",
+        "        always = True\n",
+        "",
+        ("tests/test_generators.py",),
+        "a new generator put where a site's watched one was is first used unseen",
     ),
     Mutant(
         "generators_reach_no_module_attribute",
@@ -848,8 +880,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "generators_code_not_watched",
         "scopedckpt/_generators.py",
-        '    watched = draws or call.determinism_check == "bitwise"\n',
-        '    watched = call.determinism_check == "bitwise"\n',
+        "    reached, always = _reach(call, empty)\n",
+        "    reached, always = _reach(call, empty)[0], False\n",
         ("tests/test_generators.py",),
         "a generator no place held, first used on an unverified call, is not stashed though "
         "the code that uses it names it",
@@ -857,7 +889,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "generators_code_watch_not_entered",
         "scopedckpt/_generators.py",
-        "        call = generators.draws if verifying is None else verifying.call\n",
+        "        call = always if verifying is None else verifying.call\n",
         "        call = None if verifying is None else verifying.call\n",
         ("tests/test_generators.py",),
         "the first forwards of regions whose code names generators are watched only when verified",
@@ -957,7 +989,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "generators_watch_stashes_mask_generators",
-        "scopedckpt/_generators.py",
+        "scopedckpt/_watch.py",
         "            and generator not in MASK_GENERATORS\n",
         "",
         ("tests/test_generators.py",),
