@@ -26,7 +26,7 @@ watch stashes it and warns (a ``UserWarning``, once per site, as the site is
 watched from then on), naming the region and the fix. So such a generator is
 replayed from its first use on, or its first use is reported at the site's
 next sampled verified call (within ``every`` calls); with sampled verification
-off, only calls that are verified or watched see it.
+off, nothing reports it, and only calls that are verified or watched stash it.
 """
 
 from __future__ import annotations
@@ -149,6 +149,12 @@ def _seeded_only(generator: torch.Generator, state: torch.Tensor) -> bool:
     return torch.equal(fresh.get_state(), state)
 
 
+def _ordinal(n: int) -> str:
+    """``64th``, ``2nd``, ``11th``."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def _region(call: RegionCall) -> str:
     if call.module is not None:
         return f"the forward of {module_path(call.module, None, call.scope)}"
@@ -181,7 +187,7 @@ def _message(call: RegionCall) -> str:
         "not an argument of the region, and no code scopedckpt looks at names it "
         "'generator'), and the generator has drawn since it was seeded: the region's earlier "
         "calls were not "
-        f"verified (only the first call of each region and every {sampling_period()}-th "
+        f"verified (only the first call of each region and every {_ordinal(sampling_period())} "
         "are), so if they drew from it, their recomputes in backward drew other numbers "
         f"and those steps' gradients are not plain training's. {_FIX}"
     )

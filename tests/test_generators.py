@@ -542,7 +542,7 @@ def test_a_generator_first_used_unwatched_is_refused_at_the_next_sampled_call() 
         _train_gated("made elsewhere", checkpointed=True, first_noisy=1)
     message = str(raised.value)
     assert "MadeElsewhere" in message
-    assert "every 2-th" in message
+    assert "every 2nd are" in message
     assert "set_verification_sampling(1)" in message
 
 
