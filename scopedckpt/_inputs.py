@@ -16,7 +16,7 @@ import functools
 from collections.abc import Callable
 
 from ._errors import ScopedCkptError
-from ._state import FORWARD, Frame, RegionCall, Tape, describe, module_path
+from ._state import FORWARD, Frame, RegionCall, Tape, region_name
 from ._torch_private import version_of
 
 __all__ = ["FRAME_PHASES", "enter_frame", "start_region"]
@@ -50,10 +50,7 @@ def _message(call: RegionCall, name: int | str) -> str:
     which = (
         f"positional argument #{name}" if isinstance(name, int) else f"keyword argument {name!r}"
     )
-    if call.owner is not None:
-        region = f"the forward of {module_path(call.owner, None, call.scope)}"
-    else:
-        region = describe(call.label)
+    region = region_name(call)
     return (
         f"scopedckpt: the checkpoint region {region} changed its input ({which}) in place "
         "during its forward, for instance with nn.ReLU(inplace=True) or x.add_(...) as its "

@@ -313,6 +313,14 @@ def describe(owner: object) -> str:
     return f"{name}({details})" if details or not callable(owner) else name
 
 
+def region_name(call: RegionCall) -> str:
+    """Name a region for an error message: the forward of its owner where it has one, else
+    its layer or function."""
+    if call.owner is not None:
+        return f"the forward of {module_path(call.owner, None, call.scope)}"
+    return describe(call.label)
+
+
 def module_path(module: object, frame: Frame | None, scope: Scope | None = None) -> str:
     """Name ``module`` for an error message: its qualified name where one is known.
 

@@ -66,7 +66,7 @@ from torch import Tensor
 from ._bits import differences, sample, sums
 from ._errors import ScopedCkptError
 from ._selective import internal
-from ._state import FORWARD, FRAME, Frame, RegionCall, Tape, describe, module_path
+from ._state import FORWARD, FRAME, Frame, RegionCall, Tape, region_name
 from ._torch_private import NormBase, recompute_whole, register_determinism_check, version_of
 
 __all__ = [
@@ -271,10 +271,7 @@ class Fingerprint:
     def _message(self, recomputed: Fingerprint, values: Tensor | None) -> str:
         assert self.region is not None
         call = self.region.call
-        if call.owner is not None:
-            region = f"the forward of {module_path(call.owner, None, call.scope)}"
-        else:
-            region = describe(call.label)
+        region = region_name(call)
         if (self.shape, self.dtype) != (recomputed.shape, recomputed.dtype):
             what = (
                 f"has shape {recomputed.shape} and dtype {recomputed.dtype} in the recompute, "

@@ -42,7 +42,7 @@ from torch.overrides import TorchFunctionMode
 from ._errors import ScopedCkptError
 from ._mask import MASK_GENERATORS
 from ._sampling import sampling_period, site_of, unverified_calls_before
-from ._state import RegionCall, describe, module_path
+from ._state import RegionCall, region_name
 
 __all__ = ["Sites", "Stash", "Watch", "defaults", "known", "remember"]
 
@@ -155,12 +155,6 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-def _region(call: RegionCall) -> str:
-    if call.module is not None:
-        return f"the forward of {module_path(call.module, None, call.scope)}"
-    return describe(call.label)
-
-
 _FIX = (
     "Keep the generator where scopedckpt finds it when a region starts: an attribute of a "
     "module the region runs, set when the module is built, or an argument of the region "
@@ -171,7 +165,7 @@ _FIX = (
 
 def _warning(call: RegionCall) -> str:
     return (
-        f"scopedckpt: the checkpoint region {_region(call)} drew random numbers from a "
+        f"scopedckpt: the checkpoint region {region_name(call)} drew random numbers from a "
         "torch.Generator it could not find before it ran, freshly seeded, and the region's "
         "earlier calls were not watched for one. It is replayed from now on. If it is made "
         "in the forward, nothing was wrong; if it is reseeded before each step and the "
@@ -182,7 +176,7 @@ def _warning(call: RegionCall) -> str:
 
 def _message(call: RegionCall) -> str:
     return (
-        f"scopedckpt: the checkpoint region {_region(call)} drew random numbers from a "
+        f"scopedckpt: the checkpoint region {region_name(call)} drew random numbers from a "
         "torch.Generator it could not find before it ran (no module it runs holds it, it is "
         "not an argument of the region, and no code scopedckpt looks at names it "
         "'generator'), and the generator has drawn since it was seeded: the region's earlier "
