@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scopedckpt import _dropout, _eager_checkpoint, _engine, _guard, _mask
+from scopedckpt import _dropout, _eager_checkpoint, _engine, _guard, _mask, _sampling
 from scopedckpt._demo import saved_activation_bytes
 from scopedckpt._live import LiveBytes
 from scopedckpt._options import RegionOptions
@@ -37,6 +37,7 @@ __all__ = [
     "choose",
     "dropout_mask",
     "eager_checkpoint",
+    "light_check_off",
     "profile_step",
     "random_words",
     "saved_activation_bytes",
@@ -113,6 +114,13 @@ class MaskVariant:
 
     def __exit__(self, *exc: object) -> None:
         _dropout.masked_dropout, _mask.PIECES_FROM_ELEMENTS = self._saved
+
+
+def light_check_off(blocks: nn.Module) -> None:
+    """No light check (NOTE [ light check ]) in the regions over ``blocks``' children: each
+    child's site is told it has no tail. Holds until sampling is set again."""
+    for block in blocks.children():
+        _sampling.site(block, None).tail = -1
 
 
 def dropout_mask(x: torch.Tensor, p: float) -> Any:

@@ -1,4 +1,4 @@
-"""The memory-budget planner's tables for docs/benchmarks.md, from ``results/plan.json``.
+"""The memory-budget planner's table for docs/benchmarks.md, from ``results/plan.json``.
 
 Kept apart from :mod:`benchmarks.tables` (``benchmarks.docs`` merges both ``TABLES``), so
 that neither module grows past a screenful of renderers.
@@ -29,6 +29,26 @@ def _versus(row: dict[str, Any], k: int) -> str:
     )
 
 
+def _predicted(rows: list[dict[str, Any]]) -> str:
+    """How the predicted step-time ratios of the plans below the whole peak compare with the
+    measured ones, to the thousandth."""
+    pairs = [
+        (round(p["predicted_ratio"], 3), round(p["ratio"], 3))
+        for r in rows
+        for p in r["points"]
+        if p["kind"] == "plan" and p["label"] != "plan 100%"
+    ]
+    if not pairs:
+        return ""
+    above = max(predicted - measured for predicted, measured in pairs)
+    below = max(measured - predicted for predicted, measured in pairs)
+    under = sum(predicted < measured for predicted, measured in pairs)
+    return (
+        f"Predicted step time against measured, every plan but the 100 % ones: from {above:.3f}"
+        f" above to {below:.3f} below the measured ratio, below it on {under} of {len(pairs)}."
+    )
+
+
 def plan_summary(results: Results) -> list[str]:
     """plan.json, one row per model: sizes, planning time, accuracy, plans against torch."""
     data = results["plan"]
@@ -52,6 +72,9 @@ def plan_summary(results: Results) -> list[str]:
     ]
     notes = [f"`{name}`: skipped ({why})." for name, why in data.get("skipped", {}).items()]
     facts = f"torch threads: {data['threads']}; {data['rounds']} rounds; {data['interval']}."
+    predicted = _predicted(data["rows"])
+    if predicted:
+        facts += " " + predicted
     solver = data.get("solver_200_blocks_s")
     if solver:
         spans = ", ".join(f"{s * 1e3:.0f} ms at {b}" for b, s in solver.items())
@@ -59,31 +82,4 @@ def plan_summary(results: Results) -> list[str]:
     return [*table(header, rows), "", *notes, facts]
 
 
-def plan_points(results: Results) -> list[str]:
-    """plan.json, every point of every model, by peak: measured and predicted."""
-    header = ["model", "point", "peak MiB", "predicted MiB", "step / no ckpt", "95 % interval"]
-    header += ["predicted", "choices"]
-    rows = []
-    for r in results["plan"]["rows"]:
-        for i, p in enumerate(sorted(r["points"], key=lambda p: p["peak_bytes"])):
-            planned = p["kind"] == "plan"
-            rows.append(
-                [
-                    r["model"] if i == 0 else "",
-                    p["label"],
-                    _mib(p["peak_bytes"]),
-                    _mib(p["predicted_peak"]) if planned else "",
-                    f"{p['ratio']:.3f}",
-                    interval(p["interval"]),
-                    f"{p['predicted_ratio']:.3f}" if planned else "",
-                    "".join(c[0] for c in p["choices"]) if planned else "",
-                ]
-            )
-    key = (
-        "Choices, one letter per block in forward order: n none, f full, m matmuls, a attention, "
-        "c convolutions (or compute, whichever the block's ops make distinct)."
-    )
-    return [*table(header, rows, left=2), "", key]
-
-
-TABLES = {"plan-summary": plan_summary, "plan-points": plan_points}
+TABLES = {"plan-summary": plan_summary}

@@ -1,4 +1,5 @@
-"""What bitwise verification of recomputes costs: step time with and without, side by side.
+"""What checking recomputes costs: bitwise verification and the light check, in step time
+and memory, side by side.
 
 Run from the repository root (writes ``benchmarks/results/verify.json``)::
 
@@ -6,16 +7,20 @@ Run from the repository root (writes ``benchmarks/results/verify.json``)::
 
 Each model of :mod:`benchmarks.models` at ``DEPTH`` blocks, converted
 (``scopedckpt.convert``), every block a region of
-``with scopedckpt.checkpointing(model.blocks, determinism_check=...):``, in two
-variants on two instances built from the same seed: ``"default"`` (torch's shape
-check) and ``"bitwise"`` (NOTE [ bitwise verification ] in ``scopedckpt/_verify.py``:
-every saved tensor fingerprinted in the first forward and compared after each
-recompute). One process, one torch thread; rounds interleaved in rotating order; the
-ratio is the median of per-round paired ratios with a distribution-free 95 % interval
-(:func:`benchmarks.timing.paired`). Bytes kept for backward are the same in both
-variants (fingerprints are two int64 values per saved tensor); a verified region's
-first forward holds its saved tensors until it ends, as its recompute does, which the
-peak heap in use during a step shows (glibc ``mallinfo2`` sampled after every aten op,
+``with scopedckpt.checkpointing(model.blocks, determinism_check=...):``, in three
+variants on three instances built from the same seed: ``"default"`` (torch's shape
+check and the light check, NOTE [ light check ] in ``scopedckpt/_light.py``: one saved
+tensor per call fingerprinted in the first forward and in the recompute),
+``"unlit"`` (the same without the light check: its sites are told they have no tail)
+and ``"bitwise"`` (NOTE [ bitwise verification ] in ``scopedckpt/_verify.py``: every
+saved tensor fingerprinted in the first forward and compared after each recompute).
+One process, one torch thread; rounds interleaved in rotating order; each ratio is the
+median of per-round paired ratios with a distribution-free 95 % interval
+(:func:`benchmarks.timing.paired`). Memory: the peak of the planner's live-bytes
+counter (NOTE [ live bytes ] in ``scopedckpt/_live.py``) over a step, gradients made
+anew, for ``"default"`` and ``"bitwise"`` (under the counter's dispatch mode regions
+take torch's checkpoint, which verification serves as well); and the peak heap in use
+during a step (glibc ``mallinfo2`` sampled after every aten op,
 :func:`benchmarks.heap.peak_in_use`, the most of three steps per variant). Sampled
 verification (NOTE [ sampled verification ]) is off in this process, so ``"default"``
 verifies nothing.
@@ -33,6 +38,7 @@ import torch
 import scopedckpt
 
 from . import heap, models
+from .internals import LiveBytes, light_check_off
 from .timing import interleaved_rounds, paired, print_paired, save_paired_results
 
 DEPTH = 8
@@ -40,7 +46,7 @@ THREADS = 1
 ROUNDS = 60
 QUICK_ROUNDS = 4
 MODELS = ("small_mlp", "mlp", "transformer", "cnn")
-VARIANTS = ("default", "bitwise")
+VARIANTS = ("default", "unlit", "bitwise")
 
 
 def _step(model: models.Blocks, x: torch.Tensor, check: str) -> Callable[[], None]:
@@ -54,15 +60,27 @@ def _step(model: models.Blocks, x: torch.Tensor, check: str) -> Callable[[], Non
     return step
 
 
+def _live_peak(step: Callable[[], None]) -> int:
+    """The peak of the planner's live-bytes counter over one step."""
+    with LiveBytes() as counter:
+        step()
+    return counter.peak
+
+
 def measure(kind: str, rounds: int) -> dict[str, Any]:
-    """One model's row: median step times and the paired ratio bitwise/default."""
+    """One model's row: median step times, the paired ratios bitwise/default and
+    default/unlit, and peaks."""
     steps = {}
-    for check in VARIANTS:
+    for variant in VARIANTS:
         model, x = models.build(kind, DEPTH, "d")  # converted, checkpointed by the scope
-        steps[check] = _step(model, x, check)
+        if variant == "unlit":
+            light_check_off(model.blocks)
+        steps[variant] = _step(model, x, "default" if variant == "unlit" else variant)
     times = interleaved_rounds(steps, 1, rounds)
     median, low, high = paired(times, "bitwise", "default")
+    light, light_low, light_high = paired(times, "default", "unlit")
     peaks = {v: max(heap.peak_in_use(step) for _ in range(3)) / 2**20 for v, step in steps.items()}
+    live = {v: max(_live_peak(steps[v]) for _ in range(2)) / 2**20 for v in ("default", "bitwise")}
     return {
         "model": kind,
         "blocks": DEPTH,
@@ -70,7 +88,10 @@ def measure(kind: str, rounds: int) -> dict[str, Any]:
         "median_ms": {v: statistics.median(t) * 1e3 for v, t in times.items()},
         "bitwise/default": median,
         "bitwise/default 95% interval": [low, high],
+        "default/unlit": light,
+        "default/unlit 95% interval": [light_low, light_high],
         "peak_heap_mib": peaks,
+        "peak_live_mib": live,
     }
 
 
@@ -81,6 +102,7 @@ def main(quick: bool) -> dict[str, object]:
     rounds = QUICK_ROUNDS if quick else ROUNDS
     rows = [measure(kind, rounds) for kind in MODELS]
     print_paired(rows, "model", "default", "bitwise/default")
+    print_paired(rows, "model", "unlit", "default/unlit")
     return save_paired_results("verify", rows, THREADS, quick)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from ._errors import ScopedCkptError
+from ._names import article
 
 __all__ = ["candidates", "find_blocks"]
 
@@ -72,7 +73,7 @@ def candidates(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]]:
     for module in dict.fromkeys(chosen):
         if id(module) not in names:
             raise ScopedCkptError(
-                f"scopedckpt: plan(blocks=...) names a {type(module).__name__} that is not "
+                f"scopedckpt: plan(blocks=...) names {article(type(module).__name__)} that is not "
                 f"a submodule of the model ({type(model).__name__}). Pass blocks of the model "
                 "you plan for."
             )

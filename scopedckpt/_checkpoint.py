@@ -10,10 +10,10 @@ import torch
 
 from . import _torch_private
 from ._contexts import ContextFn
-from ._engine import REENTRANT_MESSAGE
 from ._errors import ScopedCkptError
 from ._options import DEFAULT_OPTIONS, DETERMINISM_CHECKS, RegionOptions
 from ._run import run_region
+from ._state import SCOPE, region_name_of
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
 
@@ -124,7 +124,7 @@ def checkpoint(
             "Call it as scopedckpt.checkpoint(fn, *args, **kwargs)."
         )
     if use_reentrant:
-        raise ScopedCkptError(REENTRANT_MESSAGE)
+        raise ScopedCkptError(reentrant_message(f"checkpoint(use_reentrant=True) of {fn_name(fn)}"))
     if determinism_check not in _DETERMINISM_CHECKS:
         raise ValueError(
             f"scopedckpt: determinism_check must be one of {_DETERMINISM_CHECKS}, "
@@ -203,7 +203,7 @@ def checkpoint_sequential(
     >>> y.sum().backward()
     """
     if use_reentrant:
-        raise ScopedCkptError(REENTRANT_MESSAGE)
+        raise ScopedCkptError(reentrant_message("checkpoint_sequential(use_reentrant=True)"))
     unknown = set(kwargs) - _CHECKPOINT_KEYWORDS
     if unknown:
         raise ValueError(
@@ -237,3 +237,19 @@ _CHECKPOINT_KEYWORDS = {
     for name, parameter in inspect.signature(checkpoint).parameters.items()
     if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name != "use_reentrant"
 }
+
+
+def fn_name(fn: object) -> str:
+    """A region's function or module for the reentrant refusal (NOTE [ naming ])."""
+    return region_name_of(None, fn, SCOPE.get())
+
+
+def reentrant_message(what: str, why: str = "") -> str:
+    """The refusal of reentrant checkpointing: ``what`` asked for it, ``why`` says how."""
+    return (
+        f"scopedckpt: {what} cannot be exact: pass use_reentrant=False, or leave it unset.\n"
+        f"{why}Reentrant checkpointing reruns the region in a nested backward through an "
+        "autograd.Function that takes no context_fn, so nothing can replay its random "
+        "numbers or keep its buffers from being updated twice. scopedckpt regions are always "
+        "non-reentrant, which torch recommends as well."
+    )

@@ -129,10 +129,11 @@ def compiled_region(
     """
     if options.determinism_check == BITWISE:
         raise ScopedCkptError(
-            "scopedckpt: determinism_check='bitwise' cannot apply in compiled code: there a "
-            "region is torch's checkpoint operator, recomputed inside the compiled backward, "
-            "with no recompute to fingerprint (NOTE [ bitwise verification ]). Verify the "
-            "model eagerly (the same regions without torch.compile), or pass 'default'."
+            "scopedckpt: determinism_check='bitwise' cannot apply in compiled code: verify the "
+            "model eagerly (the same regions without torch.compile), or pass 'default'.\n"
+            "In compiled code a region is torch's checkpoint operator, recomputed inside the "
+            "compiled backward, with no recompute to fingerprint (NOTE [ bitwise "
+            "verification ])."
         )
     save = options.save
     if save is None and MIRROR.planned:

@@ -1,9 +1,10 @@
-"""``python -m scopedckpt``: show exactness and memory saved on a small MLP."""
+"""``python -m scopedckpt``: exactness and memory kept for backward, on a small MLP."""
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -13,7 +14,7 @@ from ._checkpoint import checkpoint
 from ._convert import convert
 from ._scope import checkpointing
 
-__all__ = ["main", "saved_activation_bytes"]
+__all__ = ["main", "saved_activation_bytes", "table"]
 
 
 def saved_activation_bytes(run: Callable[[], object], exclude: Iterable[Tensor] = ()) -> int:
@@ -54,15 +55,25 @@ def _model(depth: int, width: int) -> nn.Sequential:
     return nn.Sequential(*blocks)
 
 
-def main(depth: int = 8, width: int = 256, batch: int = 512) -> None:
-    """Train one step four ways and print what each did."""
+class _Run(NamedTuple):
+    model: nn.Sequential
+    grads: list[Tensor]
+    kept: int  # bytes kept for backward
+
+
+def table(depth: int = 8, width: int = 256, batch: int = 512) -> str:
+    """Train one step six ways; the demo's output: the table and the lines under it.
+
+    Deterministic on a given torch: the README shows it verbatim (tests/test_docs.py).
+    """
     torch.manual_seed(0)
     base = _model(depth, width)
     x = torch.randn(batch, width)
 
-    def step(how: str) -> tuple[nn.Sequential, list[Tensor], int]:
+    def step(*, scoped: bool = False, region: str = "none", rng_stash: bool = True) -> _Run:
+        """``region``: "none", "torch" (torch.utils.checkpoint) or "scopedckpt"."""
         model = copy.deepcopy(base)
-        if how.startswith("scoped"):
+        if scoped:
             convert(model)  # in place: the blocks' layers are swapped
         torch.manual_seed(1)
         xi = x.clone().requires_grad_()
@@ -71,51 +82,70 @@ def main(depth: int = 8, width: int = 256, batch: int = 512) -> None:
         def forward() -> Tensor:
             h = xi
             for block in model:
-                if how.startswith("torch"):
+                if region == "torch":
                     h = torch_checkpoint.checkpoint(
-                        block, h, use_reentrant=False, preserve_rng_state="no RNG" not in how
+                        block, h, use_reentrant=False, preserve_rng_state=rng_stash
                     )
                 else:
                     h = checkpoint(block, h)  # a plain call outside an enabled scope
             out["loss"] = h.square().mean()
             return out["loss"]
 
-        with checkpointing(enabled=how.endswith("scopedckpt")):
-            saved = saved_activation_bytes(forward, exclude=model.parameters())
+        with checkpointing(enabled=region == "scopedckpt"):
+            kept = saved_activation_bytes(forward, exclude=model.parameters())
         out["loss"].backward()
         grads = [g for g in (xi.grad, *(p.grad for p in model.parameters())) if g is not None]
-        return model, grads, saved
+        return _Run(model, grads, kept)
 
-    # Each checkpointed run is compared with the same layers run without it.
-    plain = step("plain nn, no checkpointing")
-    scoped = step("scoped layers, no checkpointing")
+    # Each checkpointed run is compared with the same layers run without checkpointing:
+    # converting changes the random stream (scoped dropout draws its masks its own way).
+    plain = step()
+    scoped = step(scoped=True)
+    converted = step(scoped=True, region="scopedckpt")
     runs = [
         ("plain nn, no checkpointing", plain, plain),
-        ("torch.utils.checkpoint, RNG stash", step("torch, RNG stash"), plain),
-        ("torch.utils.checkpoint, no RNG stash", step("torch, no RNG stash"), plain),
-        ("plain nn in scopedckpt (not converted)", step("plain nn in scopedckpt"), plain),
+        ("torch.utils.checkpoint, RNG stash", step(region="torch"), plain),
+        ("torch.utils.checkpoint, no RNG stash", step(region="torch", rng_stash=False), plain),
+        ("scopedckpt, nn layers as they are", step(region="scopedckpt"), plain),
         ("scoped layers, no checkpointing", scoped, scoped),
-        ("scopedckpt", step("scopedckpt"), scoped),
+        ("scopedckpt, converted layers", converted, scoped),
     ]
 
     def equal(a: Iterable[Tensor], b: Iterable[Tensor]) -> str:
         return "bitwise" if all(torch.equal(p, q) for p, q in zip(a, b)) else "DIFFERENT"
 
     header = (
-        f"{'one step, ' + str(depth) + ' blocks of Linear-BN-GELU-Dropout':<44}"
-        f"{'grads':>11}{'BN buffers':>12}{'BN updates':>12}{'saved MiB':>11}"
+        f"{'run':<38}{'grads':>11}{'BN buffers':>12}{'BN updates':>12}{'kept for backward':>20}"
     )
-    print(header)
-    print("-" * len(header))
-    for name, (model, grads, saved), (ref_model, ref_grads, _) in runs:
-        grads_equal = equal(grads, ref_grads)
-        buffers = equal(model.buffers(), ref_model.buffers())
-        first_norm = next(m for m in model.modules() if isinstance(m, nn.BatchNorm1d))
+    lines = [
+        f"One training step: {depth} blocks of Linear-BatchNorm1d-GELU-Dropout, "
+        f"batch {batch} x {width}.",
+        "",
+        header,
+        "-" * len(header),
+    ]
+    for name, run, ref in runs:
+        grads = equal(run.grads, ref.grads)
+        buffers = equal(run.model.buffers(), ref.model.buffers())
+        first_norm = next(m for m in run.model.modules() if isinstance(m, nn.BatchNorm1d))
         updates = int(first_norm.num_batches_tracked or 0)
-        print(f"{name:<44}{grads_equal:>11}{buffers:>12}{updates:>12}{saved / 2**20:>11.2f}")
-    print(
-        "\ngrads and BN buffers: compared with the same layers run without checkpointing.\n"
-        f"scopedckpt keeps {runs[-1][1][2] / scoped[2]:.0%} of the activation memory and matches "
-        "bit for bit, converted or not; torch.utils.checkpoint updates batch norm twice and, "
-        "without its RNG stash, replays dropout with new masks."
-    )
+        kept = f"{run.kept / 2**20:.2f} MiB"
+        lines.append(f"{name:<38}{grads:>11}{buffers:>12}{updates:>12}{kept:>20}")
+    lines += [
+        "",
+        "grads, BN buffers: bit for bit against the same layers without checkpointing",
+        "  (converted layers against 'scoped layers': scopedckpt.convert(model), no regions).",
+        "BN updates: times the first BatchNorm counted the step (num_batches_tracked).",
+        "kept for backward: bytes of the tensors autograd keeps from forward for backward.",
+        "RNG stash: preserve_rng_state=True, torch's default.",
+        "",
+        f"scopedckpt keeps {converted.kept / plain.kept:.0%} of what plain nn without checkpointing "
+        f"keeps ({converted.kept / 2**20:.2f} of {plain.kept / 2**20:.2f} MiB),",
+        "as much as torch.utils.checkpoint, and trains bit for bit the same, converted or not.",
+    ]
+    return "\n".join(lines)
+
+
+def main(depth: int = 8, width: int = 256, batch: int = 512) -> None:
+    """Print the demo's table (``python -m scopedckpt``)."""
+    print(table(depth, width, batch))

@@ -40,10 +40,11 @@ from torch import Tensor
 
 from ._errors import ScopedCkptError
 from ._mask import Mask, masked_dropout
+from ._names import frame_region_name
 from ._paths import EAGER, GRAPH, where
 from ._replay import tape_value
 from ._selective import internal
-from ._state import FRAME, RECOMPUTE, describe
+from ._state import FRAME, RECOMPUTE
 from ._strict import scoped_draws
 
 __all__ = [
@@ -98,12 +99,12 @@ def _redraw(seed: int, owner: object, generator: torch.Generator | None) -> None
     again = _draw_seed(generator)
     if again != seed:
         raise ScopedCkptError(
-            f"scopedckpt: the recompute of a checkpoint region drew seed {again} for "
-            f"{describe(owner)} from {source}, but its first forward drew "
-            f"{seed} at the same point: the random numbers drawn in the region differ between "
-            "forward and recompute (data-dependent random draws, or another thread drawing "
-            "from that generator while the region ran). Give the scoped layers their "
-            "own generator=..., or keep such draws outside checkpoint regions."
+            f"scopedckpt: the recompute of {frame_region_name(frame)} drew other random "
+            "numbers than its first forward: give its scoped layers their own generator=...\n"
+            f"It drew seed {again} for {frame.name(owner)} from {source}, but its first "
+            f"forward drew {seed} at the same point: data-dependent random draws, or another "
+            "thread drawing from that generator while the region ran. Or keep such draws "
+            "outside checkpoint regions."
         )
 
 

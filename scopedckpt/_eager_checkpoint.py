@@ -40,16 +40,18 @@ placeholder, where torch releases it with its own.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import CheckpointError, DefaultDeviceType
+from torch.utils.checkpoint import CheckpointError
 
-from . import _torch_private
+from . import _light, _torch_private
+from ._autocast import autocast_as, autocast_state, device_type
 from ._options import RegionOptions
+from ._sampling import Site
+from ._selective import internal
 
 __all__ = ["run", "usable"]
 
@@ -100,9 +102,12 @@ class _Frame:
         "kwargs",
         "metadata",
         "metadata_fn",
+        "name",
         "placeholders",
+        "printed",
         "recompute_context",
         "recomputed",
+        "tail",
     )
 
     def __init__(
@@ -113,8 +118,10 @@ class _Frame:
         recompute_context: Any,
         metadata_fn: Callable[[torch.Tensor], Any] | None,
         early_stop: bool,
+        name: Callable[[], str] | None = None,
     ) -> None:
         self.fn = fn
+        self.name = name  # the region's, for messages
         saved = _torch_private.make_saved_tensor
         # (saved as autograd saves a node's input, argument)
         self.args = [(True, saved(a)) if isinstance(a, torch.Tensor) else (False, a) for a in args]
@@ -123,7 +130,7 @@ class _Frame:
         self.metadata_fn = metadata_fn
         override = _torch_private.early_stop_override()
         self.early_stop = early_stop if override is None else override
-        self.autocast = _autocast_state(_device_type(args))
+        self.autocast = autocast_state(device_type(args))
         self.placeholders: list[weakref.ReferenceType[_Placeholder]] = []
         self.metadata: list[Any] = []
         # graph task -> the recomputed tensor of each placeholder (None: not collected,
@@ -132,6 +139,10 @@ class _Frame:
         self.counts: dict[Any, int] = {}  # graph task -> tensors its recompute saved so far
         self.forward_completed = False
         self.ignore_saved_mismatch = False
+        # NOTE [ light check ] in _light.py: the tail's index (-1: none); the fingerprints
+        # the first forward (key None) and each recompute (per graph task) took, by index.
+        self.tail = -1
+        self.printed: dict[Any, dict[int, torch.Tensor]] = {}
 
     def recompute(self, key: Any) -> None:
         """Run the region again, collecting what its first forward saved."""
@@ -150,22 +161,18 @@ class _Frame:
             # backward in the same GraphExecGroup), as torch's is.
             del self.recomputed[key], self.counts[key]
             raise
-        self._check(slots, self.counts.pop(key))
+        self._check(slots, self.counts.pop(key), self.printed.pop(key, None))
 
     def _rerun(self, args: list[Any]) -> None:
-        with _autocast_as(self.autocast), self.recompute_context:
+        with autocast_as(self.autocast), self.recompute_context:
             self.fn(*args, **self.kwargs)
 
-    def _check(self, slots: list[Any], count: int) -> None:
+    def _check(self, slots: list[Any], count: int, printed: dict[int, Any] | None) -> None:
         if self.ignore_saved_mismatch:
             return
         if count != len(self.placeholders):
-            raise CheckpointError(
-                "torch.utils.checkpoint: A different number of tensors was saved "
-                "during the original forward and recomputation.\n"
-                f"Number of tensors saved during forward: {len(self.placeholders)}\n"
-                f"Number of tensors saved during recomputation: {count}." + _DEBUG_TIP
-            )
+            self._fail()
+            raise _light.diverged(self.name, len(self.placeholders), f"{count}")
         metadata_fn = self.metadata_fn
         if metadata_fn is None:
             return
@@ -188,6 +195,19 @@ class _Frame:
                 "torch.utils.checkpoint: Recomputed values for the following tensors "
                 f"have different metadata than during the forward pass.\n{tensors}." + _DEBUG_TIP
             )
+        if printed is not None:
+            forward = self.printed[None]
+            for index, recomputed in printed.items():
+                if not torch.equal(recomputed, forward[index]):
+                    self._fail()
+                    x = slots[index]
+                    raise _light.other_values(self.name, index, None if x is _UNPACKED else x)
+
+    def _fail(self) -> None:
+        """The step is lost: the recompute context lets go of what it holds (``fail``)."""
+        fail = getattr(self.recompute_context, "fail", None)
+        if fail is not None:
+            fail()
 
 
 def _collector(frame_ref: weakref.ReferenceType[_Frame], key: Any) -> Callable[[Any], Any]:
@@ -208,17 +228,25 @@ def _collector(frame_ref: weakref.ReferenceType[_Frame], key: Any) -> Callable[[
                 # Backward inside the region's forward, without early stop (torch's rule).
                 frame.ignore_saved_mismatch = True
                 return x
-            raise CheckpointError(
-                "torch.utils.checkpoint: trying to save more tensors during "
-                "recomputation than during the original forward pass." + _DEBUG_TIP
-            )
+            frame._fail()
+            raise _light.diverged(frame.name, len(placeholders), "more")
         if placeholders[index]() is not None:
             frame.recomputed[key][index] = x
+        if index >= frame.tail >= 0 and index in frame.printed[None]:  # NOTE [ light check ]
+            frame.printed.setdefault(key, {})[index] = _fingerprint(x)
         if frame.early_stop and index + 1 == len(placeholders):
             raise _torch_private.STOP_RECOMPUTATION
         return x
 
     return pack
+
+
+def _fingerprint(x: torch.Tensor) -> torch.Tensor:
+    """The light check's fingerprint of ``x``, as none of the region's ops."""
+    if _torch_private.modes_active():  # a region's selective-saving mode numbers ops
+        with internal():
+            return _light.fingerprint(x)
+    return _light.fingerprint(x)
 
 
 def _shown(metadata: tuple[Any, ...]) -> dict[str, Any]:
@@ -237,74 +265,6 @@ def _run_outside_dynamo(rerun: Callable[[list[Any]], None], args: list[Any]) -> 
     rerun(args)
 
 
-def _device_type(args: tuple[Any, ...]) -> str:
-    """The device type torch's checkpoint infers from a region's arguments (the first
-    non-CPU one, CUDA first; else torch's default), without flattening plain tensors."""
-    found = None
-    for arg in args:
-        if isinstance(arg, list | tuple | dict):
-            return _torch_private.infer_device_type(*args)
-        if isinstance(arg, torch.Tensor):
-            kind = arg.device.type
-            if kind == "cuda":
-                return kind
-            if kind != "cpu" and found is None:
-                found = kind
-    return found or str(DefaultDeviceType.get_device_type())
-
-
-def _autocast_as(state: tuple[Any, ...]) -> Any:
-    """Enter the autocast state ``state`` (from :func:`_autocast_state`) where it is not
-    the state now."""
-    if state == _autocast_state(state[0]):
-        return _NOTHING
-    device_type, device_kwargs, cpu_kwargs = state
-    return _Autocasts(device_type, device_kwargs, cpu_kwargs)
-
-
-_NOTHING = contextlib.nullcontext()  # re-enterable
-
-
-class _Autocasts:
-    """torch's recompute autocast: the device's, then the CPU's."""
-
-    def __init__(self, device_type: str, device_kwargs: Any, cpu_kwargs: Any) -> None:
-        self._contexts = [
-            torch.amp.autocast(device_type=device_type, **dict(device_kwargs))
-            if device_kwargs is not None
-            else _NOTHING,
-            torch.amp.autocast("cpu", **dict(cpu_kwargs)),
-        ]
-
-    def __enter__(self) -> None:
-        for context in self._contexts:
-            context.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        for context in reversed(self._contexts):
-            context.__exit__(*exc)
-
-
-def _autocast_state(device_type: str) -> tuple[Any, ...]:
-    """The autocast keywords torch's checkpoint records (``_get_autocast_kwargs``)."""
-    cache = torch.is_autocast_cache_enabled()
-    device = (
-        (
-            ("enabled", torch.is_autocast_enabled(device_type)),
-            ("dtype", torch.get_autocast_dtype(device_type)),
-            ("cache_enabled", cache),
-        )
-        if torch.amp.is_autocast_available(device_type)
-        else None
-    )
-    cpu = (
-        ("enabled", torch.is_autocast_enabled("cpu")),
-        ("dtype", torch.get_autocast_dtype("cpu")),
-        ("cache_enabled", cache),
-    )
-    return (device_type, device, cpu)
-
-
 def run(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -313,9 +273,14 @@ def run(
     recompute_context: Any,
     determinism_check: str,
     early_stop: bool,
+    site: Site | None = None,
+    name: Callable[[], str] | None = None,
 ) -> Any:
     """``fn(*args, **kwargs)`` as a non-reentrant checkpoint, its first forward inside
     ``forward_context`` and every recompute inside ``recompute_context``.
+
+    ``site``: the region's, where the default check light-checks it (NOTE [ light
+    check ]); ``name``: names the region in errors.
 
     Example
     -------
@@ -334,14 +299,26 @@ def run(
         metadata_fn = None
     else:
         metadata_fn = _torch_private.determinism_check_fn(determinism_check)
-    frame = _Frame(fn, args, kwargs, recompute_context, metadata_fn, early_stop)
+    frame = _Frame(fn, args, kwargs, recompute_context, metadata_fn, early_stop, name)
 
     placeholders = frame.placeholders
     metadata = frame.metadata
     default = metadata_fn is _default_metadata
+    # NOTE [ light check ]: the tail's index where this call checks it, else -1; whether
+    # this call learns it for its site (the last saved tensor that can be one).
+    tail = -1
+    learning = site is not None and site.tail is None
+    if site is not None and default and not learning:
+        tail = frame.tail = site.tail  # type: ignore[assignment]  # an int here
+        if tail >= 0:
+            printed: dict[int, torch.Tensor] = {}
+            frame.printed[None] = printed
+    learned = -1
 
     def pack(x: torch.Tensor) -> _Placeholder:
-        placeholder = _Placeholder(len(placeholders))
+        nonlocal learned
+        index = len(placeholders)
+        placeholder = _Placeholder(index)
         placeholders.append(weakref.ref(placeholder))
         if default:
             metadata.append((x.shape, x.dtype, x.device))  # _default_metadata, inlined
@@ -350,6 +327,10 @@ def run(
             # check may turn early stop off from inside (NOTE [ late writes ]).
             with torch.no_grad():
                 metadata.append(frame.metadata_fn(x))  # type: ignore[misc]  # not None here
+        if index >= tail >= 0 and _light.is_tail(x):  # the site's calls may differ
+            printed[index] = _fingerprint(x)
+        elif learning and _light.is_tail(x):
+            learned = index
         return placeholder
 
     def unpack(placeholder: _Placeholder) -> torch.Tensor:
@@ -383,4 +364,8 @@ def run(
             "because checkpoint cannot return a value for a failed forward."
         )
     frame.forward_completed = True
+    if learning:
+        site.tail = learned  # type: ignore[union-attr]  # learning: a site
+    elif tail >= 0 and not printed:
+        frame.tail = -1  # this call saved fewer tensors: the count check names it
     return result

@@ -27,9 +27,22 @@ from ._contexts import ContextFn, compose
 from ._early_stop import full_recompute
 from ._options import DEFAULT_OPTIONS, RegionOptions
 from ._policy import as_policy
-from ._sampling import sampled_check
-from ._state import FORWARD, FRAME, RECOMPUTE, SCOPE, Frame, Phase, Record, RegionCall, Scope, Tape
+from ._sampling import Site, sampled_check
+from ._state import (
+    FORWARD,
+    FRAME,
+    RECOMPUTE,
+    SCOPE,
+    Frame,
+    Phase,
+    Record,
+    RegionCall,
+    Scope,
+    Tape,
+    region_name_of,
+)
 from ._subtree import Listing, subtree
+from ._transforms import under_transform
 
 __all__ = ["region_context_fn", "region_module"]
 
@@ -110,6 +123,13 @@ class _EnterFrame:
         the region's recompute context (``partner``)."""
         return self, self.partner
 
+    def fail(self) -> None:
+        """The region's recompute failed a check after it ran: the step is lost, and the
+        module targets of its scope are unpatched (as a failed verification does)."""
+        self.release()
+        for patches in self._scope.patches:
+            patches.release_all()
+
     def release(self) -> None:
         """Release the holds on target patches (once)."""
         holds, self.holds = self.holds, ()
@@ -189,6 +209,7 @@ def region_context_fn(
     options: RegionOptions,
     module: torch.nn.Module | None,
     listing: Listing | None = None,
+    site: Site | None = None,
 ) -> tuple[Callable[..., Any], ContextFn]:
     """Set up one region: the ``fn`` and ``context_fn`` to hand to torch's checkpoint.
 
@@ -196,7 +217,8 @@ def region_context_fn(
     under ``patch_torch_checkpoint`` included. The caller's ``options.context_fn`` is
     entered inside ours; ``options.save`` overrides the scope's policy (NOTE
     [ selective saving ]); ``module`` is the module the region runs
-    (:func:`region_module`), ``listing`` its subtree's listing where the caller has it.
+    (:func:`region_module`), ``listing`` its subtree's listing where the caller has it,
+    ``site`` its site under the default check (``_sampling.sampled_check``).
     """
     parent = FRAME.get()
     # A function is no identity: lambdas and bound methods are new objects at
@@ -224,6 +246,7 @@ def region_context_fn(
             module,
             fn,
             listing if listing is not None or module is None else subtree(module),
+            site,
         )
         acting = 0
         for start_region, bit in _mechanisms.starts():
@@ -298,6 +321,8 @@ def _region(
         scope = SCOPE.get()
     if scope is None or not scope.enabled or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    if under_transform():  # NOTE [ torch.func transforms ]
+        return fn(*args, **kwargs)
     if label is None:
         label = owner if owner is not None else fn
     options = options.in_scope(scope.determinism_check)
@@ -306,12 +331,13 @@ def _region(
     if options.early_stop and full_recompute(listing, module, fn):
         options = dataclasses.replace(options, early_stop=False)  # NOTE [ late writes ]
     debug = _torch_private.checkpoint_debug_enabled(options.debug)
+    site = None
     if not debug:  # torch's debug mode explains its own check's failures
-        check = sampled_check(options.determinism_check, module, fn)
+        check, site = sampled_check(options.determinism_check, module, fn)
         if check is not options.determinism_check:  # NOTE [ sampled verification ]
             options = dataclasses.replace(options, determinism_check=check)
     fn, contexts = region_context_fn(
-        fn, owner, label, scope, args, kwargs, options, module, listing
+        fn, owner, label, scope, args, kwargs, options, module, listing, site
     )
     keywords = options.eager_keywords
     token = OWN_CALL.set(True)
@@ -330,6 +356,8 @@ def _region(
                 recompute_context,
                 options.determinism_check,
                 options.early_stop,
+                site,
+                functools.partial(_region_name, owner, label, scope),
             )
         return torch_checkpoint.checkpoint(fn, *args, context_fn=contexts, **keywords, **kwargs)
     finally:
@@ -350,6 +378,13 @@ REENTRANT_MESSAGE = (
     "updated twice. Pass use_reentrant=False, or leave it unset: scopedckpt regions are "
     "always non-reentrant, which torch recommends as well."
 )
+
+
+def _region_name(owner: object | None, label: object, scope: Scope) -> str:
+    """A region's name in an error message: ``the forward of 'blocks.1' (Block)``, or
+    ``checkpoint region <function>``."""
+    name = region_name_of(owner, label, scope)
+    return name if owner is not None else f"checkpoint region {name}"
 
 
 def current_region_owner() -> object | None:

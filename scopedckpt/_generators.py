@@ -24,7 +24,7 @@ starts (before any use, as the default generators are stashed):
   so a reassigned attribute or element is the new generator;
 * the generators watched first forwards of its site were seen to use: a
   *watched* first forward (a verified one, ``determinism_check="bitwise"``:
-  by default the first call of each region site and every 64th, NOTE
+  by default the first call of each region site and one in 64 after it, NOTE
   [ sampled verification ]; every one running code that names generators,
   NOTE [ watched code ]; and every later one of a site where the watch found
   one) runs under a ``TorchFunctionMode`` that looks at each torch call's

@@ -50,11 +50,11 @@ def _message(call: RegionCall, name: int | str) -> str:
     which = (
         f"positional argument #{name}" if isinstance(name, int) else f"keyword argument {name!r}"
     )
-    region = region_name(call)
     return (
-        f"scopedckpt: the checkpoint region {region} changed its input ({which}) in place "
-        "during its forward, for instance with nn.ReLU(inplace=True) or x.add_(...) as its "
-        "first op. The recompute in backward would start from the changed values, not the "
-        "ones the first forward saw. Make that op out of place (inplace=False, x = x + ...), "
-        "or give the region a copy of the input (x.clone())."
+        f"scopedckpt: {region_name(call)} changed its input ({which}) in place: make that "
+        "op out of place (inplace=False).\n"
+        "For instance nn.ReLU(inplace=True) or x.add_(...) as its first op. The recompute in "
+        "backward would start from the changed values, not the ones the first forward saw. "
+        "Make that op out of place (inplace=False, x = x + ...), or give the region a copy "
+        "of the input (x.clone())."
     )

@@ -26,10 +26,15 @@ mechanism         tape                        frame
 ================  ==========================  ====================================
 ``_strict``       nothing                     first forward under the detector
 ``_inputs``       tensor inputs' versions     first forward: none written in place
+``_world``        bindings, attributes,       recomputes run in the forward's world
+                  Python/NumPy RNG states     (NOTE [ forward's world ])
 ``_rng``          generators' states          recomputes start from them
 ``_generators``   explicit ones' states       recomputes start from them;
                                               watched first forwards find them
 ``_written``      written buffers' copies     recomputes: copies swapped in
+``_hooks``        user hooks that changed     first forward: recorded; recomputes
+                  tensors                     run only those (NOTE [ hooks in
+                                              recomputes ])
 ``_guard``        module states, per call     module calls guarded
 ``_selective``    kept op outputs             recorded, or served
 ``_report``       a memory_report row         saved tensors counted, time taken
@@ -42,7 +47,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from . import _generators, _guard, _inputs, _report, _rng, _selective, _strict, _verify, _written
+from . import (
+    _generators,
+    _guard,
+    _hooks,
+    _inputs,
+    _report,
+    _rng,
+    _selective,
+    _strict,
+    _verify,
+    _world,
+    _written,
+)
 from ._state import FORWARD, RECOMPUTE, Frame, Phase, RegionCall, Tape
 
 __all__ = ["MECHANISMS", "Mechanism", "Undo", "frame_plan", "register_mechanism", "starts"]
@@ -74,7 +91,17 @@ def _registered(*mechanisms: Mechanism) -> tuple[Mechanism, ...]:
 # ones. A new mechanism: a module and a name here (or, for an integration, a
 # register_mechanism call in its package).
 MECHANISMS = _registered(
-    _strict, _inputs, _rng, _generators, _written, _guard, _selective, _report, _verify
+    _strict,
+    _inputs,
+    _world,
+    _rng,
+    _generators,
+    _written,
+    _hooks,
+    _guard,
+    _selective,
+    _report,
+    _verify,
 )
 
 

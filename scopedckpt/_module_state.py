@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from ._errors import ScopedCkptError
+from ._names import frame_region_name
 from ._state import RECOMPUTE, Frame, module_path
 from ._torch_private import module_buffers
 from ._verify import not_verified_statistics
@@ -182,11 +183,12 @@ def enter(frame: Frame, module: nn.Module) -> int:
     record: ModuleState | None = frame.tape.states.get((id(module), index))
     if record is None:
         raise ScopedCkptError(
-            f"scopedckpt: the recompute of a checkpoint region called "
-            f"{module_path(module, frame)} (a module with buffers or state) for the "
-            f"{index + 1}. time, but its first forward called it fewer times, so there is no "
-            "state to recompute it from. The region's control flow must not depend on data "
-            "that changes between forward and backward."
+            f"scopedckpt: the recompute of {frame_region_name(frame)} called "
+            f"{type(module).__name__} more often than its first forward: move data-dependent "
+            "branches out of it.\n"
+            f"Its call {index + 1} of {module_path(module, frame)}, a module with buffers or "
+            "state, has no state to recompute it from. The region's control flow must not "
+            "depend on data that changes between forward and backward."
         )
     swapped: list[Any] = []
     for name, before in record.buffers:
@@ -220,12 +222,14 @@ def initialize_lazy(frame: Frame, module: nn.Module, args: tuple[Any, ...]) -> N
     initialize = getattr(module, "initialize_parameters", None)
     if not callable(initialize) or not args:
         raise ScopedCkptError(
-            f"scopedckpt: {module_path(module, frame)} has uninitialized (lazy) buffers "
-            "at its first call, inside a checkpoint region, and the buffer guard cannot "
-            "initialize it (no initialize_parameters method, or no positional input to "
-            "initialize it from), so there is no state to recompute it from. Call the "
-            "model once outside checkpointing first, as torch asks before building an "
-            "optimizer over lazy modules."
+            f"scopedckpt: a lazy {type(module).__name__} was first called in "
+            f"{frame_region_name(frame)}: call the model once outside checkpointing first.\n"
+            f"{module_path(module, frame)} has uninitialized (lazy) buffers at its first call, "
+            "inside a checkpoint region, and the buffer guard cannot initialize it (no "
+            "initialize_parameters method, or no positional input to initialize it from), so "
+            "there is no state to recompute it from. Call the model once outside "
+            "checkpointing first, as torch asks before building an optimizer over lazy "
+            "modules."
         )
     initialize(*args)  # as torch's own hook calls it (global hooks get no keywords)
 
@@ -245,8 +249,9 @@ def _refuse_changes(frame: Frame, module: nn.Module, entry: GuardEntry) -> None:
     changed = [name for name, copy in entry.saved if not _same(buffers.get(name), copy)]
     if changed:
         raise ScopedCkptError(
-            f"scopedckpt: strict mode found {module_path(module, frame)} changing its "
-            f"buffers ({', '.join(changed)}) inside a checkpoint region. The buffer guard "
+            f"scopedckpt: strict mode found {module_path(module, frame)} changing buffers in "
+            "a region: use a scoped layer or turn strict off.\n"
+            f"It changed {', '.join(changed)} in {frame_region_name(frame)}. The buffer guard "
             "keeps the recompute from changing them again, at the cost of a copy per call; "
             "strict mode asks for scoped layers instead. Replace it with a scoped layer "
             "(scopedckpt.convert(model) converts torch's batch norms), or turn strict off."

@@ -54,7 +54,8 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from . import _torch_private
-from ._engine import OWN_CALL, REENTRANT_MESSAGE, layer_of, region_context_fn, region_module
+from ._checkpoint import fn_name, reentrant_message
+from ._engine import OWN_CALL, layer_of, region_context_fn, region_module
 from ._errors import ScopedCkptError
 from ._options import RegionOptions
 from ._sampling import sampled_check
@@ -107,8 +108,9 @@ def _generator_body(
         options = dict(options, determinism_check=scope.determinism_check)
     debug_on = _torch_private.checkpoint_debug_enabled(options["debug"])
     module = region_module(None, fn)
+    site = None
     if not debug_on:  # NOTE [ sampled verification ] in _sampling.py
-        check = sampled_check(options["determinism_check"], module, fn)
+        check, site = sampled_check(options["determinism_check"], module, fn)
         if check is not options["determinism_check"]:
             options = dict(options, determinism_check=check)
     fn, contexts = region_context_fn(
@@ -124,6 +126,7 @@ def _generator_body(
             context_fn=options["context_fn"],
         ),
         module,
+        site=site,
     )
     options = dict(
         options,
@@ -146,10 +149,12 @@ class _ReentrantRefused:
             return None
         if _active_scope() is not None:
             raise ScopedCkptError(
-                f"{REENTRANT_MESSAGE} (A call of torch.utils.checkpoint inside "
-                "patch_torch_checkpoint asked for use_reentrant=True, or left it unset "
-                "through a name bound before the patch on a torch whose default is "
-                "reentrant.)"
+                reentrant_message(
+                    f"torch's checkpoint(use_reentrant=True) of {fn_name(function)}",
+                    "A call of torch.utils.checkpoint inside patch_torch_checkpoint asked for "
+                    "use_reentrant=True, or left it unset through a name bound before the "
+                    "patch on a torch whose default is reentrant. ",
+                )
             )
         return _ORIGINALS[PATH.reentrant].apply(function, preserve, *args)
 

@@ -21,6 +21,7 @@ from torch import nn
 from ._blocks import candidates
 from ._budget import format_bytes, parse_budget
 from ._errors import ScopedCkptError
+from ._names import article
 from ._profile import PRESETS, Profile, default_loss, profile_step
 from ._solve import solve
 
@@ -149,9 +150,9 @@ class Plan:
             except AttributeError:
                 module = None
             if module is None or type(module).__name__ != kind:
-                found = "nothing" if module is None else f"a {type(module).__name__}"
+                found = "nothing" if module is None else article(type(module).__name__)
                 raise ScopedCkptError(
-                    f"scopedckpt: the plan's block {name!r} is a {kind}, but the model has "
+                    f"scopedckpt: the plan's block {name!r} is {article(kind)}, but the model has "
                     f"{found} there: the plan was made for another model. Make it again "
                     "with scopedckpt.plan() on this one."
                 )

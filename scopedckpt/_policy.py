@@ -31,6 +31,7 @@ from torch.utils.checkpoint import (
 )
 
 from ._errors import ScopedCkptError
+from ._names import describe
 from ._torch_private import OpOverload, OpOverloadPacket, tracing
 
 __all__ = ["SavePolicy", "as_policy"]
@@ -133,11 +134,12 @@ class SavePolicy:
         root = owner if isinstance(owner, nn.Module) else label
         if not isinstance(root, nn.Module):
             raise ScopedCkptError(
-                f"scopedckpt: save= has qualified-name patterns {list(self.patterns)}, but "
-                f"the checkpoint region {label!r} is not a module, so there are no names to "
-                "match them against. Checkpoint a module (checkpointing(model.layers, "
-                "save=...) or checkpoint(module, x, save=...)), or select the modules by "
-                "instance or class instead of by name."
+                f"scopedckpt: save= has name patterns {list(self.patterns)}, but the region "
+                f"{describe(label)} is not a module: checkpoint a module, whose paths they "
+                "match.\n"
+                "A function's region has no names to match the patterns against. Checkpoint a "
+                "module (checkpointing(model.layers, save=...) or checkpoint(module, x, "
+                "save=...)), or select the modules by instance or class instead of by name."
             )
         found = self._patterns_of.get(root)
         if found is None:

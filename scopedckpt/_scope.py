@@ -13,6 +13,7 @@ from torch import nn
 
 from . import _targets
 from ._errors import ScopedCkptError
+from ._names import article
 from ._options import DETERMINISM_CHECKS
 from ._paths import EAGER, enter_block, exit_block, where
 from ._plan import Plan
@@ -150,6 +151,7 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         self._save_items = save
         self._save: SavePolicy | None = as_policy(save)
         self._modules, self._classes, self._saves = resolve_targets(targets, root)
+        self._containers = tuple(t for t in targets if isinstance(t, _CONTAINERS))
         if root is None:
             self._root = next((t.model for t in targets if isinstance(t, Plan)), None)
         self._entries: list[tuple[contextvars.Token[Scope | None], _targets.Patches, Any]] = []
@@ -185,6 +187,9 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         classes = self._classes
         keep: tuple[Any, ...] = modules
         saves = self._saves
+        containers = self._containers
+        if parent is not None and parent.containers:
+            containers = parent.containers + containers
         if parent is not None and parent.saves:
             saves = {**parent.saves, **saves}
         if parent is not None:
@@ -207,6 +212,7 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
             self._determinism_check
             or (parent.determinism_check if parent is not None else "default"),
             saves,
+            containers,
         )
         delta = int(self._enabled) - int(parent is not None and parent.enabled)
         token = SCOPE.set(scope)
@@ -303,7 +309,7 @@ def resolve_targets(
             modules.extend(m for name, m in root.named_modules() if target(name, m))
         else:
             raise TypeError(
-                f"scopedckpt: checkpointing target #{index} is a {type(target).__name__}; "
+                f"scopedckpt: checkpointing target #{index} is {article(type(target).__name__)}; "
                 "expected an nn.Module, an nn.Module subclass or a (name, module) -> bool "
                 "predicate. To turn checkpointing off, pass enabled=False."
             )

@@ -63,8 +63,17 @@ from typing import Any
 from torch import Tensor, nn
 
 from ._errors import ScopedCkptError
+from ._names import module_region
 from ._policy import SavePolicy
-from ._state import FORWARD, FRAME, RECOMPUTE, Frame, RegionCall, Tape, describe
+from ._state import (
+    FORWARD,
+    FRAME,
+    RECOMPUTE,
+    Frame,
+    RegionCall,
+    Tape,
+    region_name_of,
+)
 from ._strict import draws_random_numbers
 from ._torch_private import (
     SAC_IGNORED_OPS,
@@ -202,6 +211,13 @@ class _RegionMode(TorchDispatchMode):
             return False
         return not (_INTERNAL.depth or func in SAC_IGNORED_OPS or FRAME.get() is not self._frame)
 
+    def _region(self) -> str:
+        """The region, for an error message (NOTE [ naming ] in _names.py)."""
+        frame = self._frame
+        if frame.owner is not None:
+            return module_region(frame.owner, frame.scope)
+        return f"region {region_name_of(None, self._saved.label, frame.scope)}"
+
 
 class SavingMode(_RegionMode):
     """The first forward of a region with a policy: record every op call's fate."""
@@ -238,10 +254,10 @@ class SavingMode(_RegionMode):
         if reason is not None:
             if explicit:
                 raise ScopedCkptError(
-                    f"scopedckpt: save= selects {func} in the checkpoint region "
-                    f"{describe(self._saved.label)}, but that op {reason}, so a kept output "
-                    "could not stand in for it in the recompute. Leave it out of the policy "
-                    "(a callable can ask scopedckpt.policies.keepable(op)), or select its "
+                    f"scopedckpt: save= selects {func} in {self._region()}, but that op "
+                    f"{reason}: leave it out of the policy.\n"
+                    "A kept output could not stand in for it in the recompute. A callable "
+                    "policy can ask scopedckpt.policies.keepable(op); or select the op's "
                     "out-of-place form."
                 )
             entries.append(None)
@@ -286,11 +302,11 @@ class ServingMode(_RegionMode):
         signature = _signature(args, kwargs)
         if signature != entry.signature:
             raise ScopedCkptError(
-                f"scopedckpt: the recompute of the checkpoint region "
-                f"{describe(self._saved.label)} made call #{index} of {func} with tensor "
-                f"arguments {_shapes(signature)}, but the first forward made it with "
-                f"{_shapes(entry.signature)}, and save= kept that call's output. The region "
-                "ran other ops in its recompute; its control flow must not depend on data "
+                f"scopedckpt: the recompute of {self._region()} did not run the ops whose "
+                "outputs save= kept: move data-dependent branches out of it.\n"
+                f"It made call #{index} of {func} with tensor arguments {_shapes(signature)}, "
+                f"but the first forward made it with {_shapes(entry.signature)}, and save= "
+                "kept that call's output. The region's control flow must not depend on data "
                 "that changes between forward and backward."
             )
         if any(version_of(t) != version for t, version in entry.versions):

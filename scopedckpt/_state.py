@@ -35,6 +35,7 @@ Everything that makes a recompute exact lives on a *tape*, one per region.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,11 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from ._errors import ScopedCkptError
+from ._names import describe as describe
+from ._names import frame_region_name, layer_place
+from ._names import module_path as module_path
+from ._names import region_name as region_name
+from ._names import region_name_of as region_name_of
 from ._torch_private import version_of
 
 if TYPE_CHECKING:  # the mechanisms' own types; they import this module
@@ -50,13 +56,16 @@ if TYPE_CHECKING:  # the mechanisms' own types; they import this module
     from torch.utils.hooks import RemovableHandle
 
     from ._generators import Generators
+    from ._hooks import Hooks
     from ._module_state import GuardEntry, ModuleState
     from ._policy import SavePolicy
     from ._report import RegionStats
     from ._rng import RngStash
+    from ._sampling import Site
     from ._selective import Saved, SavingMode
     from ._subtree import Listing
     from ._verify import Verifying
+    from ._world import World
     from ._written import Copies, Noted
 
 __all__ = ["Phase"]
@@ -100,13 +109,16 @@ class Scope:
     strict: bool
     modules: frozenset[int] = frozenset()  # ids of selected module instances
     classes: tuple[type, ...] = ()  # every instance of these is selected
-    keep: tuple[Any, ...] = ()  # strong refs so the ids above stay valid
+    keep: tuple[Any, ...] = ()  # strong refs so the ids above stay valid; named in messages
     patches: tuple[Any, ...] = ()  # _targets.Patches of this scope and its parents
     root: Any = None  # the model module paths in error messages are relative to
     save: Any = None  # _policy.SavePolicy of the regions this scope makes, or None
     determinism_check: str = "default"  # of its regions whose call leaves it at "default"
     # Plans' choices: module id -> its regions' SavePolicy (None: full), over ``save``.
     saves: dict[int, Any] = field(default_factory=dict, compare=False)
+    # The nn.ModuleList and nn.ModuleDict targets, whose children are in ``keep``: messages
+    # name those children by their keys in them (NOTE [ naming ] in _names.py).
+    containers: tuple[Any, ...] = ()
 
     def policy_for(self, owner: object | None) -> Any:
         """The ``save=`` policy of a region this scope makes for ``owner``'s forward."""
@@ -148,10 +160,15 @@ class RegionCall:
     module: nn.Module | None = None
     fn: object = None  # the function the region runs
     listing: Listing | None = None  # module's subtree (_subtree.subtree), looked up once
+    site: Site | None = None  # _sampling.site under the default check, else None
     # The arguments, sorted once for the mechanisms that read them (__post_init__): the
     # tensors with their version counters, and the rest; each by position or keyword.
     tensors: list[tuple[int | str, Tensor, int]] = field(init=False)
     others: list[tuple[int | str, Any]] = field(init=False)
+
+    def without_arguments(self) -> RegionCall:
+        """This call without its arguments, for what outlives the region's forward."""
+        return dataclasses.replace(self, args=(), kwargs={})
 
     def __post_init__(self) -> None:
         tensors: list[tuple[int | str, Tensor, int]] = []
@@ -192,6 +209,8 @@ class Tape:
     # _written: the subtree's versions and copies until the first forward ends, then the
     # copies of what it wrote, or the listing whose learning its recompute ends, or None.
     written: Noted | Copies | Listing | None = None
+    world: World | None = None  # _world: the region's recorded world
+    hooks: Hooks | None = None  # _hooks: the user hooks of its subtree
     # The enter_frame of each mechanism acting in this region's frames, in order, by phase.
     forward_mechanisms: tuple[Callable[[Frame], Callable[..., Any] | None], ...] = ()
     recompute_mechanisms: tuple[Callable[[Frame], Callable[..., Any] | None], ...] = ()
@@ -207,6 +226,8 @@ class Tape:
         self.verifying = None
         self.inputs = None
         self.written = None
+        self.world = None
+        self.hooks = None
         self.forward_mechanisms = ()
         self.recompute_mechanisms = ()
 
@@ -260,20 +281,24 @@ class Frame:
         index = self.cursor
         if index >= len(self.tape.records):
             raise ScopedCkptError(
-                f"scopedckpt: the recompute of a checkpoint region made scoped call "
-                f"#{index} ({kind} of {self.name(label)}), but its first forward made only "
-                f"{len(self.tape.records)} scoped calls. The region's control flow must "
-                "not depend on data that changes between forward and backward; move the "
-                "branch outside the region or checkpoint each branch separately."
+                f"scopedckpt: the recompute of {frame_region_name(self)} made more scoped "
+                "calls than its first forward: move data-dependent branches out of it."
+                f"\nIts scoped call #{index} ({kind} of {self.name(label)}) has nothing to "
+                f"replay: the first forward made only {len(self.tape.records)} scoped calls. "
+                "The region's control flow must not depend on data that changes between "
+                "forward and backward; move the branch outside the region or checkpoint each "
+                "branch separately."
             )
         record = self.tape.records[index]
         if record.kind != kind or record.owner_id != owner_id:
             raise ScopedCkptError(
-                f"scopedckpt: the recompute of a checkpoint region made scoped call "
-                f"#{index} as {kind} of {self.name(label)}, but the first forward made call "
-                f"#{index} as {record.kind} of {self.name(record.label)}. Replaying would use "
-                "the wrong mask or statistics; the region's control flow must not depend "
-                "on data that changes between forward and backward."
+                f"scopedckpt: the recompute of {frame_region_name(self)} made its scoped "
+                "calls in another order: move data-dependent branches out of it."
+                f"\nThe recompute made call #{index} as {kind} of {self.name(label)}, but the "
+                f"first forward made call #{index} as {record.kind} of "
+                f"{self.name(record.label)}. Replaying would use the wrong mask or statistics; "
+                "the region's control flow must not depend on data that changes between "
+                "forward and backward."
             )
         self.cursor = index + 1
         return record
@@ -283,14 +308,8 @@ class Frame:
 
         Two ``Dropout(p=0.5)`` swapping places read the same by repr alone.
         """
-        from torch import nn
-
-        text = describe(label)
-        if isinstance(label, nn.Module):
-            path = module_path(label, self)
-            if path.startswith("'"):
-                text += f" at {path.split(' (')[0]}"
-        return text
+        place = layer_place(label, self)
+        return describe(label) if place is None else f"{describe(label)} at {place}"
 
 
 # The scope of regions that other code asks for when no checkpointing() block is
@@ -303,44 +322,3 @@ SCOPE: contextvars.ContextVar[Scope | None] = contextvars.ContextVar(
 FRAME: contextvars.ContextVar[Frame | None] = contextvars.ContextVar(
     "scopedckpt_frame", default=None
 )
-
-
-def describe(owner: object) -> str:
-    """A short name for error messages: the class and the torch ``repr`` details."""
-    extra = getattr(owner, "extra_repr", None)
-    details = extra() if callable(extra) else ""
-    name = getattr(owner, "__qualname__", None) or type(owner).__name__
-    return f"{name}({details})" if details or not callable(owner) else name
-
-
-def region_name(call: RegionCall) -> str:
-    """Name a region for an error message: the forward of its owner where it has one, else
-    its layer or function."""
-    if call.owner is not None:
-        return f"the forward of {module_path(call.owner, None, call.scope)}"
-    return describe(call.label)
-
-
-def module_path(module: object, frame: Frame | None, scope: Scope | None = None) -> str:
-    """Name ``module`` for an error message: its qualified name where one is known.
-
-    Looked up (only when an error is raised) in the scope's ``root``, the
-    region's owner and the scope's module targets, in that order.
-    """
-    from torch import nn
-
-    kind = type(module).__name__
-    roots: list[tuple[str, Any]] = []
-    scope = frame.scope if frame is not None else scope
-    if scope is not None and scope.root is not None:
-        roots.append(("", scope.root))
-    if frame is not None and isinstance(frame.owner, nn.Module):
-        roots.append((type(frame.owner).__name__, frame.owner))
-    if scope is not None:
-        roots.extend((type(m).__name__, m) for m in scope.keep if m is not module)
-    for prefix, root in roots:
-        for name, candidate in root.named_modules():
-            if candidate is module:
-                path = ".".join(p for p in (prefix, name) if p) or "<root>"
-                return f"'{path}' ({kind})"
-    return f"a {kind} module"

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ._errors import ScopedCkptError
+from ._names import frame_region_name
 from ._state import FORWARD, Frame, RegionCall, Tape
 from ._torch_private import TorchDispatchMode, bound_arguments
 
@@ -81,7 +82,11 @@ def _explicit_generator(named: dict[str, Any]) -> bool:
 
 
 class _UnscopedRandomDetector(TorchDispatchMode):
-    """Raise on seeded random ops that no scoped layer issued."""
+    """Raise on seeded random ops that no scoped layer issued, naming ``frame``'s region."""
+
+    def __init__(self, frame: Frame | None = None) -> None:
+        super().__init__()
+        self._frame = frame
 
     def __torch_dispatch__(
         self,
@@ -92,20 +97,23 @@ class _UnscopedRandomDetector(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         if not _SCOPED_DRAW.get() and draws_random_numbers(func, args, kwargs):
+            frame = self._frame
+            region = "a checkpoint region" if frame is None else frame_region_name(frame)
             if _explicit_generator(bound_arguments(func, args, kwargs)):
                 raise ScopedCkptError(
-                    f"scopedckpt: strict mode found the random op {func} drawing from a "
-                    "torch.Generator of its own inside a checkpoint region. It is replayed "
-                    "from the region's stash of explicit generators where the region reaches "
-                    "the generator (an attribute or class attribute of its modules, a "
-                    "container or object they hold, a global their code reads), but strict "
-                    "mode asks for scoped layers: use one with generator=... "
+                    f"scopedckpt: strict mode found {func} on its own generator in "
+                    f"{region}: use a scoped layer with generator=g.\n"
+                    "It is replayed from the region's stash of explicit generators where the "
+                    "region reaches the generator (an attribute or class attribute of its "
+                    "modules, a container or object they hold, a global their code reads), but "
+                    "strict mode asks for scoped layers: use one with generator=... "
                     "(scopedckpt.Dropout(p, generator=g)), or draw from the default "
                     "generator, or draw outside the region."
                 )
             raise ScopedCkptError(
-                f"scopedckpt: strict mode found the random op {func} inside a checkpoint "
-                "region, not issued by a scoped layer. It is replayed exactly from the "
+                f"scopedckpt: strict mode found the random op {func} in {region}: use "
+                "a scoped layer or turn strict off.\n"
+                "The op was not issued by a scoped layer. It is replayed exactly from the "
                 "region's stash of the default generators, but strict mode asks for scoped "
                 "layers (no stash needed, exact also with preserve_rng_state=False). Replace "
                 "torch dropout layers with scoped ones (scopedckpt.convert(model) does it in "
@@ -131,6 +139,6 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
 
 def enter_frame(frame: Frame) -> Callable[..., Any]:
     """A strict scope's first forward runs under the detector; returns its exit."""
-    detector = _UnscopedRandomDetector()
+    detector = _UnscopedRandomDetector(frame)
     detector.__enter__()
     return detector.__exit__

@@ -25,7 +25,7 @@ from torch.nn.parameter import is_lazy
 from ._module_state import guarded
 from ._reach import Place, subtree_places
 from ._slots import subtree_slots
-from ._torch_private import module_buffers, module_parameters
+from ._torch_private import module_buffers, module_hooks, module_parameters
 
 __all__ = [
     "LATE_WRITERS",
@@ -67,6 +67,13 @@ class Listing:
     # whether the code its modules run names generators: its first forwards are watched
     # (NOTE [ watched code ] in _generators.py)
     draws: bool
+    # _world: each non-empty _parameters and _buffers dict of the subtree's modules, and
+    # the modules (NOTE [ forward's world ] in _world.py)
+    registrations: tuple[dict[str, Any], ...]
+    modules: tuple[weakref.ref[nn.Module], ...]
+    # _hooks: every module's forward pre-hook and hook dicts, empty or not (NOTE [ hooks
+    # in recomputes ] in _hooks.py: hooks come and go without a registration)
+    hook_dicts: tuple[dict[int, Any], ...]
     # _written: the buffers (module's qualified name, buffer name) and parameters (indices)
     # regions over this module were seen to write, and whether they still copy all of
     # them (until one is recomputed)
@@ -168,6 +175,9 @@ def subtree(owner: nn.Module) -> Listing:
         if b is not None
     )
     late = tuple(weak[id(m)] for _, m in modules if isinstance(m, LATE_WRITERS))
+    registrations = tuple(
+        d for _, m in modules for d in (module_parameters(m), module_buffers(m)) if d
+    )
     generators, draws = subtree_places(module for _, module in modules)
     later = subtree_slots(module for _, module in modules)
     if len(_Listing.by_owner) >= 4096:
@@ -184,6 +194,9 @@ def subtree(owner: nn.Module) -> Listing:
         generators,
         later,
         draws,
+        registrations,
+        tuple(weak[id(m)] for _, m in modules),
+        tuple(d for _, m in modules for d in module_hooks(m)),
     )
     _Listing.by_owner[id(owner)] = listing
     return listing

@@ -2,11 +2,10 @@
 
 NOTE [ torch versions ]
 =======================
-Each private name is read here, by feature detection rather than version
-strings; a mechanism whose name is gone raises :class:`ScopedCkptError` where
-it is used, naming the torch version and the missing piece, instead of silently
-running torch's own checkpoint (``tests/test_torch_private.py``, which also
-checks that no other module uses a private torch name):
+Each private name is read here, by feature detection rather than version strings; a
+mechanism whose name is gone raises :class:`ScopedCkptError` where it is used, naming
+the torch version and the missing piece, instead of silently running torch's own
+checkpoint (``tests/test_torch_private.py`` checks no other module uses one):
 
 * **checkpoint call path** (:data:`PATH`). torch <= 2.13: ``checkpoint`` calls
   ``_checkpoint_without_reentrant_generator(fn, preserve_rng_state, context_fn,
@@ -21,14 +20,13 @@ checks that no other module uses a private torch name):
   determinism-check registry, early-stop switch, stop exception, saved inputs
   (``_make_saved_tensor``), graph-task ids and internal-hook marking that the
   eager region's own checkpoint follows (``_eager_checkpoint.py``).
-* **dispatch modes and op schemas**: ``TorchDispatchMode`` sees each aten op a
-  region runs (strict mode, selective saving, the planner); selective saving
-  skips ``SAC_IGNORED_OPS`` and detaches kept outputs under
-  ``_SetExcludeDispatchKeyGuard`` so they share the model's version counter.
-* **saved-tensor hooks**: the memory report reads the innermost pair.
-* **module and tensor internals**: the buffer guard swaps entries of
-  ``nn.Module._buffers`` (``setattr`` would run hooks per swap); scoped layers
-  subclass ``_DropoutNd``/``_BatchNorm``; version counters and a view's ``_base``.
+* **dispatch modes and op schemas**: ``TorchDispatchMode`` sees each aten op a region
+  runs (strict mode, selective saving, the planner); selective saving skips
+  ``SAC_IGNORED_OPS`` and detaches kept outputs under ``_SetExcludeDispatchKeyGuard``.
+* **saved-tensor hooks**: the memory report reads the innermost pair. **Module and
+  tensor internals**: entries of a module's parameter, buffer and hook dicts are swapped
+  (``setattr`` would run hooks per swap); scoped layers subclass ``_DropoutNd`` and
+  ``_BatchNorm``; versions, a view's ``_base``, torch.func's level.
 """
 
 from __future__ import annotations
@@ -298,9 +296,11 @@ SAC_IGNORED_OPS: frozenset[Any] = frozenset(torch_checkpoint.SAC_IGNORED_OPS)
 
 # Tensor and module internals, as C-level getters where they sit on hot paths.
 version_of: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
-"""A tensor's version counter, bumped by every in-place change (selective saving)."""
+"""A tensor's version counter, bumped by every in-place change."""
 base_of: Callable[[torch.Tensor], torch.Tensor | None] = operator.attrgetter("_base")
 """The tensor a view was made from, or None (the memory report's owner of a saved view)."""
+functorch_level: Callable[[], int | None] = torch._C._functorch.maybe_current_level
+"""The level of the innermost torch.func transform running (vmap, grad, ...), or None."""
 
 # torch's layer bases: scoped layers subclass them, convert() recognises their subclasses.
 DropoutBase = torch.nn.modules.dropout._DropoutNd
@@ -320,6 +320,8 @@ module_buffers = operator.attrgetter("_buffers")
 module_parameters: Callable[[torch.nn.Module], dict[str, torch.nn.Parameter | None]]
 module_parameters = operator.attrgetter("_parameters")
 """The module's own registered parameters, by name: the dict itself, to swap entries in."""
+module_hooks = operator.attrgetter("_forward_pre_hooks", "_forward_hooks")
+"""The module's own forward pre-hooks and forward hooks, by handle id: the dicts themselves."""
 
 
 # torch's global module hooks, by key: the buffer guard puts its own in at a key of its
@@ -336,15 +338,13 @@ STOP_RECOMPUTATION: type[BaseException] = torch_checkpoint._StopRecomputationErr
 
 
 def register_determinism_check(name: str, metadata_fn: Callable[[torch.Tensor], Any]) -> None:
-    """Make ``determinism_check=name`` compare ``metadata_fn`` of each saved tensor between
-    a region's first forward and its recompute (torch's registry of the checks)."""
+    """Make torch's ``determinism_check=name`` compare ``metadata_fn`` of each saved tensor."""
     torch_checkpoint._allowed_determinism_checks_to_fns[name] = metadata_fn
 
 
 def recompute_whole(depth: int) -> bool:
-    """Turn early stop off for the checkpoint whose pack hook called a determinism check
-    ``depth`` frames up (torch's ``_checkpoint_hook.pack_hook`` or the eager region's, whose
-    ``frame`` has ``early_stop``); whether it was found."""
+    """Turn early stop off for the checkpoint whose pack hook (torch's, or the eager region's:
+    its ``frame`` has ``early_stop``) called a check ``depth`` frames up; whether found."""
     caller = sys._getframe(depth + 1)
     frame = caller.f_locals.get("frame")
     if frame is None or not isinstance(getattr(frame, "early_stop", None), bool):

@@ -26,19 +26,25 @@ bit, without keeping copies of the activations:
   statistics are saved and then updated again by a later call of the same
   module). But some ops save an output before their kernel writes it
   (``rrelu_with_noise`` saves its noise), and backward reads it after the op.
-  So in a scopedckpt region's first forward the saved tensors are held until
-  the forward ends, and those written in place since they were saved (their
-  version counter moved) get a second fingerprint then; a recomputed tensor
-  must match one of the two. A verified region's forward thus keeps its saved
-  activations alive to its end, as its recompute does. The recomputed side is
-  fingerprinted when torch checks, after the recompute.
+  So in a scopedckpt region's first forward the saved tensors are looked at
+  again when the forward ends, and those written in place since they were
+  saved (their version counter moved) get a second fingerprint then; a
+  recomputed tensor must match one of the two. They are held weakly: a tensor
+  the forward freed was not written after it was saved (a program that writes a
+  saved tensor in place fails in plain training's backward), so a verified call
+  keeps no activation alive that an unverified one frees, and costs time, not
+  memory. Only tensors saved under ``F.rrelu`` (whose noise the kernel writes
+  after autograd saved it, and which lives only as long as the op) are held
+  strongly to the forward's end. The recomputed side is fingerprinted when
+  torch checks, after the recompute.
 * On a mismatch the first differing tensor (in the order the forward saved
   them) raises :class:`ScopedCkptError` naming the region, the tensor's
   position, shape and dtype, the source line that saved it (the innermost
   frame outside torch and scopedckpt), how many values differ and by how much,
   and the likely causes. How many: a fingerprint also keeps ``SAMPLE`` (64)
   values of the tensor at evenly spaced positions (all of a smaller one), taken
-  when the first forward ends, and the message counts and measures the
+  when it is saved (again when the first forward ends if it was written since),
+  and the message counts and measures the
   differences among them: exact for tensors of at most 64 elements, an estimate
   from the sample for larger ones (none differing there means fewer than about 1
   in 64 do). Exact counts of a large tensor need the first forward's values,
@@ -149,6 +155,9 @@ def enter_frame(frame: Frame) -> Callable[..., None]:
 def _finish(frame: Frame, *exc: object) -> None:
     verifying = frame.tape.verifying
     assert verifying is not None  # start_region said so
+    # Messages need the region's name, not its arguments: the tape lives as long as the
+    # graph, and holding the inputs would keep each one past its region's backward.
+    verifying.call = verifying.call.without_arguments()
     pending, verifying.pending = verifying.pending, []
     if frame.tape.saved is None:
         for print_ in pending:
@@ -201,7 +210,9 @@ class Fingerprint:
         "sums",
     )
 
-    def __init__(self, x: Tensor, region: Verifying | None, index: int, source: str) -> None:
+    def __init__(
+        self, x: Tensor, region: Verifying | None, index: int, source: str, hold: bool = False
+    ) -> None:
         self.shape, self.dtype, self.device = tuple(x.shape), x.dtype, x.device
         self.region, self.index, self.source = region, index, source
         plain = (
@@ -209,11 +220,17 @@ class Fingerprint:
         )
         self.sums = sums(x) if plain else None  # as saved
         self.later: Tensor | None = None  # when the first forward ended, if written since
-        self.op = ""  # the autograd node that made the tensor, if any
-        self.sample: Tensor | None = None  # a first forward's, taken when it ends
-        # A first forward's: held to its end (take).
-        self._tensor: Tensor | None = x if plain and region is not None else None
-        self._version = version_of(x) if self._tensor is not None else 0
+        first = plain and region is not None
+        node = x.grad_fn if first else None  # the autograd node that made the tensor
+        self.op = "" if node is None else _op_name(node)
+        self.sample: Tensor | None = sample(x) if first else None  # a first forward's
+        # A first forward's, looked at again when it ends (take): held weakly, so that a
+        # verified call frees what an unverified one frees, but for a tensor an op writes
+        # after saving it (``hold``: rrelu's noise), which only lives as long as that op.
+        self._tensor: Callable[[], Tensor | None] | None = None
+        if first:
+            self._tensor = (lambda: x) if hold else weakref.ref(x)
+        self._version = version_of(x) if first else 0
         # Anyone else's (torch's check fingerprints a recomputed tensor, which lives on):
         # for the message, without keeping it alive (torch's own checkpoint keeps the
         # fingerprints of its first forward).
@@ -224,12 +241,11 @@ class Fingerprint:
     def take(self) -> None:
         """The first forward ends: fingerprint the tensor again if it was written since it
         was saved, and let it go."""
-        x, self._tensor = self._tensor, None
-        if x is None:
+        held, self._tensor = self._tensor, None
+        x = None if held is None else held()
+        if x is None:  # freed by the forward: nothing wrote it since it was saved
             return
         node = x.grad_fn
-        if node is not None:
-            self.op = type(node).__name__.removesuffix("0").removesuffix("Backward")
         # Written since saved: in place (the version moved), or by a kernel that moves no
         # version, which only tensors outside the graph (noise, buffers) are.
         if version_of(x) != self._version or (node is None and not x.requires_grad):
@@ -285,24 +301,32 @@ class Fingerprint:
             counted = differences(self.sample, recomputed_sample, numel)
         made = f"the output of {self.op}, " if self.op else ""
         return (
-            f"scopedckpt: bitwise verification failed: the recompute of checkpoint region "
-            f"{region} did not reproduce its first forward. Saved tensor #{self.index} "
+            f"scopedckpt: bitwise verification failed in {region}: for state outside its "
+            "modules (a global), implement scopedckpt.Stateful.\n"
+            f"Its recompute did not reproduce its first forward. Saved tensor #{self.index} "
             f"{what}: {made}saved by the first forward at {self.source}. {counted}"
-            "Backward would have used "
-            "the recomputed values. Likely causes: an op that writes a saved output after "
-            "saving it (F.rrelu outside an nn.RReLU layer: pass early_stop=False); a buffer "
-            "the forward changes without moving its version (through .data, or a kernel "
-            "such as batch norm's called on another module's buffers): make the module "
-            "Stateful or use a scoped layer; a "
-            "Python attribute the forward changes (self.calls += 1): implement "
-            "scopedckpt.Stateful; a random op with its own torch.Generator held where "
-            "the region cannot reach it (a list, an object that is not a module) and "
-            "that its earlier verified calls never used: hold it as a module attribute, "
-            "or use a scoped layer with generator=...; control flow that depends on data changed between "
-            "forward and backward. The first forward's values are not kept (fingerprints "
-            "and a sample only): scopedckpt.testing.assert_checkpoint_equivalent(model, "
-            "*inputs) trains the step both ways and names every value that differs."
+            "Backward would have used the recomputed values.\n"
+            "Likely causes and their fixes:\n"
+            "- state the forward changes and reads outside its modules' attributes (a "
+            "global, an object that is not a module, a list): implement scopedckpt.Stateful;\n"
+            "- an op that writes a saved output after saving it (F.rrelu outside an nn.RReLU "
+            "layer): pass early_stop=False;\n"
+            "- a buffer the forward changes without moving its version (through .data, or a "
+            "kernel such as batch norm's called on another module's buffers): make the module "
+            "Stateful or use a scoped layer;\n"
+            "- a random op with its own torch.Generator held where the region cannot reach it "
+            "(a list, an object that is not a module) and that its earlier verified calls never "
+            "used: hold it as a module attribute, or use a scoped layer with generator=...;\n"
+            "- control flow that depends on data changed between forward and backward: move it "
+            "out of the region.\n"
+            "The first forward's values are not kept (fingerprints and a sample only): "
+            "scopedckpt.testing.assert_checkpoint_equivalent(model, *inputs) trains the step "
+            "both ways and names every value that differs."
         )
+
+
+def _op_name(node: object) -> str:
+    return type(node).__name__.removesuffix("0").removesuffix("Backward")
 
 
 def fingerprint(x: Tensor) -> Fingerprint:
@@ -321,11 +345,12 @@ def fingerprint(x: Tensor) -> Fingerprint:
         from ._early_stop import late_write_found
 
         late_write_found(verifying.call.module, verifying.call.fn)
+    hold = rrelu is not None  # NOTE [ late writes ]: written after saved, then freed
     if frame.tape.saved is None:
-        print_ = Fingerprint(x, verifying, verifying.saved, source)
+        print_ = Fingerprint(x, verifying, verifying.saved, source, hold)
     else:
         with internal():  # no op calls of the region's (NOTE [ selective saving ])
-            print_ = Fingerprint(x, verifying, verifying.saved, source)
+            print_ = Fingerprint(x, verifying, verifying.saved, source, hold)
     verifying.saved += 1
     verifying.pending.append(print_)
     return print_

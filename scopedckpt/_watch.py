@@ -149,12 +149,6 @@ def _seeded_only(generator: torch.Generator, state: torch.Tensor) -> bool:
     return torch.equal(fresh.get_state(), state)
 
 
-def _ordinal(n: int) -> str:
-    """``64th``, ``2nd``, ``11th``."""
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
-
-
 _FIX = (
     "Keep the generator where scopedckpt finds it when a region starts: an attribute of a "
     "module the region runs, set when the module is built, or an argument of the region "
@@ -165,23 +159,22 @@ _FIX = (
 
 def _warning(call: RegionCall) -> str:
     return (
-        f"scopedckpt: the checkpoint region {region_name(call)} drew random numbers from a "
-        "torch.Generator it could not find before it ran, freshly seeded, and the region's "
-        "earlier calls were not watched for one. It is replayed from now on. If it is made "
-        "in the forward, nothing was wrong; if it is reseeded before each step and the "
-        "earlier calls drew from it, their recomputes drew other numbers and those steps' "
-        f"gradients are not plain training's. {_FIX}"
+        f"scopedckpt: {region_name(call)} drew from a freshly seeded torch.Generator it could "
+        "not find before it ran; hold it as a module attribute.\n"
+        "It is replayed from now on. The region's earlier calls were not watched for it: "
+        "if it is made in the forward, nothing was wrong; if it is reseeded before each step "
+        "and the earlier calls drew from it, their recomputes drew other numbers and those "
+        f"steps' gradients are not plain training's. {_FIX}"
     )
 
 
 def _message(call: RegionCall) -> str:
     return (
-        f"scopedckpt: the checkpoint region {region_name(call)} drew random numbers from a "
-        "torch.Generator it could not find before it ran (no module it runs holds it, it is "
-        "not an argument of the region, and no code scopedckpt looks at names it "
-        "'generator'), and the generator has drawn since it was seeded: the region's earlier "
-        "calls were not "
-        f"verified (only the first call of each region and every {_ordinal(sampling_period())} "
-        "are), so if they drew from it, their recomputes in backward drew other numbers "
+        f"scopedckpt: {region_name(call)} drew from a torch.Generator it could not find "
+        "before it ran, and it has drawn since it was seeded; hold it as a module attribute.\n"
+        "No module the region runs holds it, it is not an argument of the region, and no "
+        "code scopedckpt looks at names it 'generator'. The region's earlier calls were not "
+        f"verified (only the first call of each region and one in {sampling_period()} after "
+        "it are), so if they drew from it, their recomputes in backward drew other numbers "
         f"and those steps' gradients are not plain training's. {_FIX}"
     )

@@ -71,7 +71,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from ._errors import ScopedCkptError
-from ._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape, module_path
+from ._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape, module_path, region_name
 from ._subtree import Listing, current_parameters, subtree
 from ._torch_private import module_buffers, module_parameters, version_of
 
@@ -275,35 +275,30 @@ def _called(tape: Tape) -> set[int]:
     return called
 
 
-def _region(call: RegionCall) -> str:
-    return f"the forward of {module_path(call.module, None, call.scope)}"
-
-
 def _parameter_message(call: RegionCall, name: str) -> str:
     return (
-        f"scopedckpt: the checkpoint region {_region(call)} changed its parameter {name!r} "
-        "in place during its forward, and no copy was taken to recompute from: scopedckpt "
-        "copies the parameters that regions over a module changed in the first step, of "
-        "modules that may change them (any but torch's own layers, and embeddings with "
-        "max_norm), and this one is another layer's, or was not changed in the first step. "
-        "The recompute in backward would change it again and compute from the changed "
-        "values, so the gradients would not be plain training's. Make the change in the "
-        "forward of a module of your own that holds the parameter, make it in the first "
-        "step as well, or make it outside the region (under torch.no_grad(), before the "
-        "step)."
+        f"scopedckpt: {region_name(call)} changed parameter {name!r} in place: make that "
+        "change outside the region (before the step).\n"
+        "No copy was taken to recompute from: scopedckpt copies the parameters that regions "
+        "over a module changed in the first step, of modules that may change them (any but "
+        "torch's own layers, and embeddings with max_norm), and this one is another layer's, "
+        "or was not changed in the first step. The recompute in backward would change it "
+        "again and compute from the changed values, so the gradients would not be plain "
+        "training's. Other fixes: make the change in the forward of a module of your own that "
+        "holds the parameter, or make it in the first step as well. Outside the region: under "
+        "torch.no_grad(), before the step."
     )
 
 
 def _buffer_message(call: RegionCall, module: nn.Module, name: str) -> str:
     return (
-        f"scopedckpt: the checkpoint region {_region(call)} changed buffer {name!r} of "
-        f"{module_path(module, None, call.scope)}, a module it never called (written "
-        "through a method, self.bank.push(k), or by another module's forward), and the "
-        "regions over this module did not change it in the first step, so no copy was taken "
-        "to recompute "
-        "from: the recompute in backward would see the new values and write them again. "
-        "scopedckpt copies the buffers that regions over a module wrote in the first step; "
-        "make this write happen in the first step as well (with a zero update, say), make "
-        "it that module's own forward and call the module (bank(k)), or make it outside the "
-        "region."
+        f"scopedckpt: {region_name(call)} changed buffer {name!r} of a module it never "
+        "called: make the write in that module's forward, and call it.\n"
+        f"It is buffer {name!r} of {module_path(module, None, call.scope)}, written through "
+        "a method (self.bank.push(k)) or by another module's forward, and the regions over "
+        "this module did not change it in the first step, so no copy was taken: the "
+        "recompute in backward would see the new values and write them again. scopedckpt "
+        "copies the buffers that regions over a module wrote in the first step. Other "
+        "fixes: make this write happen in the first step as well (with a zero update, say), "
+        "or make it outside the region."
     )

@@ -11,6 +11,7 @@ regions, possibly nested. :class:`ProgramModel` runs the program, calling
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,6 +190,64 @@ class InPlaceWeight(nn.Module):
         return x + 0.125 * self.weight.view(_channels(x))
 
 
+class PythonCoin(nn.Module):
+    """Scales by a coin flipped with Python's ``random`` (LayerDrop's control flow; NOTE
+    [ forward's world ]: the recompute draws the same)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * 0.75 if random.random() < 0.5 else x.tanh()
+
+
+class Tally(nn.Module):
+    """Counts its calls in a plain attribute and scales by the count (NOTE [ forward's
+    world ]: the recompute reads the count its first forward read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        return x * (1.0 - (self.calls % 4) * 0.125)
+
+
+class SizedAtFirstCall(nn.Module):
+    """Sizes a per-channel buffer at its first call and assigns a new one at every call
+    (an observer's running maximum, as QAT's fake-quantize keeps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("peak", torch.empty(0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            seen = x.detach().abs().amax(dim=[d for d in range(x.dim()) if d != 1]) + 1.0
+            self.peak = seen if self.peak.numel() == 0 else torch.maximum(self.peak, seen)
+        return x / self.peak.view(_channels(x))
+
+
+class Hooked(nn.Module):
+    """Carries a capture hook (appends to a list) and an output-replacing hook (NOTE
+    [ hooks in recomputes ]: the recompute runs the second, not the first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[Tensor] = []
+        self.register_forward_hook(_capture)
+        self.register_forward_hook(_damp)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.tanh()
+
+
+def _capture(module: Hooked, args: object, output: Tensor) -> None:
+    module.seen = [*module.seen[-3:], output.detach()]
+
+
+def _damp(module: nn.Module, args: object, output: Tensor) -> Tensor:
+    return output * 0.75
+
+
 class _Holder:
     """A plain object holding a generator."""
 
@@ -269,12 +328,22 @@ def layers(draw: st.DrawFn, rank: int, c: int, generators: bool = True) -> nn.Mo
     kinds += ["torch_dropout", "functional_dropout", "drop_path", "torch_batch_norm"]
     kinds += ["own_forward_batch_norm", "counter", "noise", "hooked_counter", "rrelu"]
     kinds += ["banked", "in_place_weight"]
+    # The forward's world: Python's random, a plain attribute, a buffer assigned anew.
+    kinds += ["python_coin", "tally", "sized_at_first_call", "hooked"]
     kinds += ["own_generator", "shared_generator"] if generators else []
     kind = draw(st.sampled_from(kinds))
     if kind == "own_generator":
         return OwnGenerator(draw(st.integers(0, 2**16)), draw(st.sampled_from(OwnGenerator.HELD)))
     if kind == "shared_generator":
         return SharedGenerator(draw(st.integers(0, 2**16)), draw(probabilities))
+    if kind == "python_coin":
+        return PythonCoin()
+    if kind == "tally":
+        return Tally()
+    if kind == "hooked":
+        return Hooked()
+    if kind == "sized_at_first_call":
+        return SizedAtFirstCall()
     if kind == "banked":
         return Banked(c)
     if kind == "in_place_weight":

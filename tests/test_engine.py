@@ -214,10 +214,10 @@ def test_data_dependent_control_flow_raises_naming_the_layer_and_call() -> None:
     with pytest.raises(
         scopedckpt.ScopedCkptError,
         match=re.escape(
-            "scopedckpt: the recompute of a checkpoint region made scoped call #0 as batch_norm "
-            "of BatchNorm1d(6, eps=1e-05, momentum=0.1, affine=True, bias=True, "
-            "track_running_stats=True), but the first forward made call #0 as dropout of "
-            "Dropout(p=0.5, inplace=False)."
+            "made its scoped calls in another order: move data-dependent branches out of it."
+            "\nThe recompute made call #0 as batch_norm of BatchNorm1d(6, eps=1e-05, "
+            "momentum=0.1, affine=True, bias=True, track_running_stats=True), but the first "
+            "forward made call #0 as dropout of Dropout(p=0.5, inplace=False)."
         ),
     ):
         out.sum().backward()
@@ -237,7 +237,8 @@ def test_recompute_with_more_scoped_calls_than_the_forward_raises() -> None:
     with scopedckpt.checkpointing():
         out = scopedckpt.checkpoint(growing, x, early_stop=False)
     with pytest.raises(
-        scopedckpt.ScopedCkptError, match=r"made scoped call #1 .* only 1 scoped calls"
+        scopedckpt.ScopedCkptError,
+        match=r"made more scoped calls(.|\n)* call #1 .* only 1 scoped calls",
     ):
         out.sum().backward()
 
@@ -271,7 +272,8 @@ def test_strict_mode_names_unscoped_random_ops() -> None:
         scopedckpt.checkpoint(nn.Dropout(0.5), x)
     with (
         pytest.raises(
-            scopedckpt.ScopedCkptError, match=r"random op aten\.rand\.default .*scopedckpt\.convert"
+            scopedckpt.ScopedCkptError,
+            match=r"random op aten\.rand\.default (.|\n)*scopedckpt\.convert",
         ),
         scopedckpt.checkpointing(strict=True),
     ):
@@ -334,8 +336,8 @@ def test_a_hugging_face_cache_in_a_region_is_refused_naming_the_layer() -> None:
         pytest.raises(
             scopedckpt.ScopedCkptError,
             match=re.escape(
-                "scopedckpt: a checkpoint region (the forward of '0' (CachingLayer)) got a "
-                "Hugging Face DynamicCache as keyword argument 'cache'."
+                "scopedckpt: the forward of '0' (CachingLayer) got a Hugging Face DynamicCache "
+                "as keyword argument 'cache' in a region: pass use_cache=False while training."
             ),
         ),
         scopedckpt.checkpointing(model[0], root=model),
@@ -370,8 +372,8 @@ def test_swapped_identical_layers_are_named_by_their_module_paths() -> None:
     with pytest.raises(
         scopedckpt.ScopedCkptError,
         match=re.escape(
-            "made scoped call #0 as dropout of Dropout(p=0.5, inplace=False) at '1', but the "
-            "first forward made call #0 as dropout of Dropout(p=0.5, inplace=False) at '0'."
+            "made call #0 as dropout of Dropout(p=0.5, inplace=False) at '1', but the first "
+            "forward made call #0 as dropout of Dropout(p=0.5, inplace=False) at '0'."
         ),
     ):
         out.sum().backward()

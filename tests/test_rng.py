@@ -236,7 +236,8 @@ def test_strict_mode_names_draws_from_a_generator_of_their_own() -> None:
     x = torch.randn(3, requires_grad=True)
     with (
         pytest.raises(
-            scopedckpt.ScopedCkptError, match=re.escape("drawing from a torch.Generator of its own")
+            scopedckpt.ScopedCkptError,
+            match=re.escape("on its own generator in a function's region"),
         ),
         scopedckpt.checkpointing(strict=True),
     ):

@@ -1,6 +1,6 @@
 """Sampled verification: the default determinism check verifies the first call of each
-region site, and every 64th after it, bit for bit (NOTE [ sampled verification ] in
-``_sampling.py``; issue 25)."""
+region site and, after it, one call in 64 on average drawn without a period, bit for bit
+(NOTE [ sampled verification ] in ``_sampling.py``)."""
 
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ def _step(model: nn.Module, x: torch.Tensor, **scope: object) -> None:
 
 @pytest.mark.usefixtures("every_64")
 def test_a_region_that_cannot_be_recomputed_exactly_fails_on_the_first_step() -> None:
-    """A Python attribute: nothing replays it, and by default the first step says so,
-    naming the region, instead of training silently wrong."""
+    """Python state outside the modules' attributes: nothing replays it, and by default
+    the first step says so, naming the region, instead of training silently wrong."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), Counting(), nn.Linear(4, 1))
     with pytest.raises(scopedckpt.ScopedCkptError, match="bitwise verification failed") as error:
@@ -75,7 +75,7 @@ def test_a_private_generator_is_found_by_the_first_step_and_replayed() -> None:
 
 
 @pytest.mark.usefixtures("every_64")
-def test_the_first_and_every_64th_call_of_a_site_are_verified() -> None:
+def test_the_first_call_and_a_drawn_one_in_64_of_a_site_are_verified() -> None:
     torch.manual_seed(0)
     model = scopedckpt.convert(
         nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.2)))
@@ -86,7 +86,20 @@ def test_the_first_and_every_64th_call_of_a_site_are_verified() -> None:
         before = _verify.COUNTERS.compared
         _step(model, x)
         verified.append(_verify.COUNTERS.compared > before)
-    assert [i for i, v in enumerate(verified) if v] == [0, 64, 128]
+    drawn = [i for i in range(130) if _sampling.sampled(i, 64)]
+    assert [i for i, v in enumerate(verified) if v] == drawn
+    assert drawn[0] == 0 and 1 < len(drawn) < 8
+
+
+def test_no_call_pattern_of_any_period_escapes_sampled_verification() -> None:
+    """Every residue class of every period up to 128 has a verified call: a site whose
+    calls alternate between kinds (an inner loop's and a functional_call's) has each kind
+    verified, where "every 64th" verified calls 1, 65, 129, ... only."""
+    for every in (2, 3, 64):
+        verified = [n for n in range(80_000) if _sampling.sampled(n, every)]
+        assert 0.9 / every < len(verified) / 80_000 < 1.1 / every
+        for period in range(2, 129):
+            assert {n % period for n in verified} == set(range(period)), (every, period)
 
 
 @pytest.mark.usefixtures("every_64")
@@ -106,15 +119,15 @@ def test_function_regions_are_one_site_per_code_not_per_function_object() -> Non
 @pytest.mark.usefixtures("every_64")
 def test_a_module_at_a_reused_id_is_a_new_site() -> None:
     first = nn.Linear(2, 2)
-    assert _sampling.sampled_check("default", None, first) == "bitwise"  # a module as fn
-    assert _sampling.sampled_check("default", first, None) == "default"  # the same site
-    assert _sampling.sampled_check("default", first, None) == "default"
+    assert _sampling.sampled_check("default", None, first)[0] == "bitwise"  # a module as fn
+    assert _sampling.sampled_check("default", first, None)[0] == "default"  # the same site
+    assert _sampling.sampled_check("default", first, None)[0] == "default"
     ident = id(first)
     del first
     for _ in range(100):  # the allocator hands the id out again, often at once
         second = nn.Linear(2, 2)
         if id(second) == ident:
-            assert _sampling.sampled_check("default", second, None) == "bitwise"
+            assert _sampling.sampled_check("default", second, None)[0] == "bitwise"
             return
     pytest.skip("the allocator did not reuse the id")
 

@@ -30,11 +30,12 @@ def test_swapping_two_dropouts_between_forward_and_recompute_raises_naming_both(
     with pytest.raises(
         scopedckpt.ScopedCkptError,
         match=re.escape(
-            "scopedckpt: the recompute of a checkpoint region made scoped call #0 as dropout "
-            "of Dropout(p=0.75, inplace=False), but the first forward made call #0 as dropout "
-            "of Dropout(p=0.25, inplace=False). Replaying would use the wrong mask or "
-            "statistics; the region's control flow must not depend on data that changes "
-            "between forward and backward."
+            "scopedckpt: the recompute of a function's region (checkpoint a module to name it "
+            "by its path) made its scoped calls in another order: move data-dependent "
+            "branches out of it.\nThe recompute made call #0 as dropout of Dropout(p=0.75, "
+            "inplace=False), but the first forward made call #0 as dropout of Dropout(p=0.25, "
+            "inplace=False). Replaying would use the wrong mask or statistics; the region's "
+            "control flow must not depend on data that changes between forward and backward."
         ),
     ):
         out.sum().backward()
@@ -54,7 +55,7 @@ def test_swapping_two_batch_norms_between_forward_and_recompute_raises() -> None
     with pytest.raises(
         scopedckpt.ScopedCkptError,
         match=re.escape(
-            "made scoped call #0 as batch_norm of BatchNorm1d(6, eps=0.001, momentum=0.1, "
+            "made call #0 as batch_norm of BatchNorm1d(6, eps=0.001, momentum=0.1, "
             "affine=True, bias=True, track_running_stats=True), but the first forward made "
             "call #0 as batch_norm of BatchNorm1d(6, eps=1e-05,"
         ),
@@ -68,7 +69,7 @@ def test_take_checks_the_owner_as_well_as_the_kind() -> None:
     with pytest.raises(
         scopedckpt.ScopedCkptError,
         match=re.escape(
-            "made scoped call #0 as dropout of Dropout(p=0.9, inplace=False), but the first "
+            "made call #0 as dropout of Dropout(p=0.9, inplace=False), but the first "
             "forward made call #0 as dropout of Dropout(p=0.1, inplace=False)."
         ),
     ):
@@ -92,8 +93,9 @@ def test_take_past_the_end_names_the_call_and_the_record_count() -> None:
     with pytest.raises(
         scopedckpt.ScopedCkptError,
         match=re.escape(
-            "scopedckpt: the recompute of a checkpoint region made scoped call #1 (dropout of "
-            "Dropout(p=0.5, inplace=False)), but its first forward made only 1 scoped calls."
+            "made more scoped calls than its first forward: move data-dependent branches out "
+            "of it.\nIts scoped call #1 (dropout of Dropout(p=0.5, inplace=False)) has nothing "
+            "to replay: the first forward made only 1 scoped calls."
         ),
     ):
         frame.take("dropout", id(layer), layer)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._errors import ScopedCkptError
-from .._state import Frame, Phase, RegionCall, Tape, describe, module_path
+from .._state import Frame, Phase, RegionCall, Tape, region_name
 
 __all__ = ["FRAME_PHASES", "enter_frame", "start_region"]
 
@@ -38,17 +38,13 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
                 name = f"positional argument #{key}"
             else:
                 name = f"keyword argument {key!r}"
-            if owner is None:
-                where = describe(label)
-            else:
-                where = f"the forward of {module_path(owner, None, call.scope)}"
             raise ScopedCkptError(
-                f"scopedckpt: a checkpoint region ({where}) got a Hugging Face "
-                f"{kind.__name__} as {name}. The recompute in backward would "
-                "append this step's keys and values to the cache a second time, and the "
-                "region would see a longer cache than its first forward. Pass "
-                "use_cache=False while training with checkpointing (Hugging Face's own "
-                "gradient checkpointing does the same), or use "
+                f"scopedckpt: {region_name(call)} got a Hugging Face {kind.__name__} as "
+                f"{name} in a region: pass use_cache=False while training.\n"
+                "The recompute in backward would append this step's keys and values to the "
+                "cache a second time, and the region would see a longer cache than its first "
+                "forward. Pass use_cache=False while training with checkpointing (Hugging "
+                "Face's own gradient checkpointing does the same), or use "
                 "scopedckpt.integrations.huggingface.gradient_checkpointing_enable(model)."
             )
     return False

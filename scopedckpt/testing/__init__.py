@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -118,6 +119,8 @@ def _run(
 ) -> _Snapshot:
     snap = _Snapshot()
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    python = random.getstate()  # both runs start Python's random from the seed too
+    random.seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for step in range(steps):
@@ -158,6 +161,7 @@ def _run(
             for name, b in model.named_buffers():
                 snap.add(f"{tag} buffer '{name}'", b)
             snap.add(f"{tag} global RNG state", torch.get_rng_state())
+            snap.add(f"{tag} Python random state", torch.tensor(random.getstate()[1]))
             if backward != "none":
                 with torch.no_grad():
                     for _, p in params:
@@ -165,6 +169,7 @@ def _run(
                             p.sub_(p.grad, alpha=lr)
             for name, p in params:
                 snap.add(f"{tag} parameter '{name}' after the update", p)
+    random.setstate(python)
     return snap
 
 

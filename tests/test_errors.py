@@ -1,0 +1,581 @@
+"""Errors that name and teach: every ScopedCkptError a region can raise, without root=.
+
+Each first line (up to the first newline) starts with ``scopedckpt:``, is at most 200
+characters, says what happened, names the region by its module path (the key in the
+``nn.ModuleList`` given to ``checkpointing()``, or the path in the model it was given)
+or says how to get one, and gives the most likely fix; details follow on later lines.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import scopedckpt
+from scopedckpt import _names
+from scopedckpt._light import RecomputeDivergenceError
+
+aten = torch.ops.aten
+
+IN_LIST = "in the ModuleList given to checkpointing()"
+
+
+class Net(nn.Module):
+    """Three blocks in a ModuleList, the middle one given."""
+
+    def __init__(self, middle: nn.Module) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), middle, nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _net(middle: nn.Module) -> Net:
+    torch.manual_seed(0)
+    return Net(middle)
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(3, 4, requires_grad=True)
+
+
+def _first_line(message: str) -> str:
+    """Raise unless ``message``'s first line keeps the rules; return it."""
+    line = message.split("\n", 1)[0]
+    assert line.startswith("scopedckpt: "), line
+    assert len(line) <= 200, f"{len(line)} characters: {line}"
+    return line
+
+
+def _exactly(line: str) -> str:
+    """A ``match=`` for a message whose first line is ``line``, with details after it."""
+    assert len(line) <= 200 and line.startswith("scopedckpt: "), line
+    return "^" + re.escape(line) + "\n"
+
+
+class _Tally:
+    """State outside the modules' attributes: nothing replays it."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+class Counts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.tally = _Tally()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.tally.calls += 1
+        return torch.tanh(self.linear(x) * self.tally.calls)
+
+
+def test_a_failed_bitwise_verification_names_the_block_and_stateful() -> None:
+    model = _net(Counts())
+    with scopedckpt.checkpointing(model.blocks, determinism_check="bitwise"):
+        loss = model(_x()).sum()
+    line = (
+        f"scopedckpt: bitwise verification failed in the forward of '1' {IN_LIST} (Counts): "
+        "for state outside its modules (a global), implement scopedckpt.Stateful."
+    )
+    with pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)) as error:
+        loss.backward()
+    assert "Saved tensor #" in str(error.value)  # the details follow
+
+
+class ClampsAChildsWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.linear.weight.clamp_(-0.1, 0.1)
+        return self.linear(x)
+
+
+def test_a_parameter_written_without_a_copy_names_the_block() -> None:
+    model = _net(ClampsAChildsWeight())
+    line = (
+        f"scopedckpt: the forward of '1' {IN_LIST} (ClampsAChildsWeight) changed parameter "
+        "'linear.weight' in place: make that change outside the region (before the step)."
+    )
+    with (
+        pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)),
+        scopedckpt.checkpointing(model.blocks),
+    ):
+        model(_x())
+
+
+class Bank(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("queue", torch.zeros(4, 4))
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return y @ self.queue
+
+    def push(self, keys: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.queue[: keys.shape[0]] = keys.detach()
+
+
+class SometimesPushes(nn.Module):
+    """Pushes into its bank through a method, and only when told to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.bank = Bank()
+        self.push_now = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        out = y + y @ self.bank.queue.clone()
+        if self.push_now:
+            self.bank.push(y)
+        return out
+
+
+def test_a_buffer_written_behind_a_modules_back_names_the_block_and_the_buffer() -> None:
+    model = _net(SometimesPushes())
+    line = (
+        f"scopedckpt: the forward of '1' {IN_LIST} (SometimesPushes) changed buffer "
+        "'queue' of a module it never called: make the write in that module's forward, and "
+        "call it."
+    )
+    with scopedckpt.checkpointing(model.blocks):
+        model(_x()).sum().backward()
+        model.blocks[1].push_now = True
+        with pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)) as error:
+            model(_x())
+    assert f"buffer 'queue' of '1.bank' {IN_LIST} (Bank)" in str(error.value)
+
+
+class Drops(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, 0.5)
+
+
+def test_strict_mode_names_the_random_op_and_the_block() -> None:
+    model = _net(Drops())
+    with (
+        pytest.raises(scopedckpt.ScopedCkptError) as error,
+        scopedckpt.checkpointing(model.blocks, strict=True),
+    ):
+        model(_x())
+    line = _first_line(str(error.value))
+    assert re.fullmatch(
+        r"scopedckpt: strict mode found the random op aten\.\S+ in region '1' "
+        + re.escape(f"{IN_LIST} (Drops): use a scoped layer or turn strict off."),
+        line,
+    ), line
+
+
+class DrawsFromItsOwn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rand(x.shape, generator=self.generator)
+
+
+def test_strict_mode_names_a_draw_from_a_generator_of_its_own() -> None:
+    model = _net(DrawsFromItsOwn())
+    with (
+        pytest.raises(scopedckpt.ScopedCkptError) as error,
+        scopedckpt.checkpointing(model.blocks, strict=True),
+    ):
+        model(_x())
+    line = _first_line(str(error.value))
+    assert re.fullmatch(
+        r"scopedckpt: strict mode found aten\.\S+ on its own generator in region "
+        + re.escape(f"'1' {IN_LIST} (DrawsFromItsOwn): use a scoped layer with generator=g."),
+        line,
+    ), line
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+
+def test_strict_mode_names_a_torch_layer_changing_its_buffers_by_its_path() -> None:
+    model = _net(Normed())
+    line = (
+        f"scopedckpt: strict mode found '1.norm' {IN_LIST} (BatchNorm1d) changing buffers in "
+        "a region: use a scoped layer or turn strict off."
+    )
+    with (
+        pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)),
+        scopedckpt.checkpointing(model.blocks, strict=True),
+    ):
+        model(_x())
+
+
+def test_save_selecting_an_in_place_op_names_the_op_and_the_block() -> None:
+    model = _net(nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True)))
+    line = (
+        f"scopedckpt: save= selects aten.relu_.default in region '1' {IN_LIST} "
+        "(Sequential), but that op changes its arguments in place: leave it out of the policy."
+    )
+    with (
+        pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)),
+        scopedckpt.checkpointing(model.blocks, save=[aten.relu_]),
+    ):
+        model(_x())
+
+
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_save_patterns_on_a_function_region_say_to_checkpoint_a_module() -> None:
+    line = (
+        "scopedckpt: save= has name patterns ['0'], but the region _doubled is not a module: "
+        "checkpoint a module, whose paths they match."
+    )
+    with (
+        pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)),
+        scopedckpt.checkpointing(save=["0"]),
+    ):
+        scopedckpt.checkpoint(_doubled, _x())
+
+
+class Slices(nn.Module):
+    """How many rows it reads is state nothing replays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.rows = {"n": 2}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x[: self.rows["n"]]).relu()
+
+
+def test_a_recompute_missing_a_kept_op_names_the_block() -> None:
+    model = _net(Slices())
+    with scopedckpt.checkpointing(model.blocks, save=[aten.addmm], determinism_check="none"):
+        loss = model(_x()).sum()
+    model.blocks[1].rows["n"] = 3
+    line = (
+        f"scopedckpt: the recompute of region '1' {IN_LIST} (Slices) did not run the ops "
+        "whose outputs save= kept: move data-dependent branches out of it."
+    )
+    with pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)):
+        loss.backward()
+
+
+def test_an_input_written_in_place_names_the_block_by_its_path_in_the_model() -> None:
+    """The ModuleList is found in the model given too: the block's full path."""
+    model = _net(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4)))
+    line = (
+        "scopedckpt: the forward of 'blocks.1' (Sequential) changed its input (positional "
+        "argument #0) in place: make that op out of place (inplace=False)."
+    )
+    with (
+        pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)),
+        scopedckpt.checkpointing(model, model.blocks),
+    ):
+        model(_x())
+
+
+def test_reentrant_checkpointing_is_refused_naming_the_block() -> None:
+    model = _net(nn.Linear(4, 4))
+    line = (
+        f"scopedckpt: checkpoint(use_reentrant=True) of '1' {IN_LIST} (Linear) cannot be "
+        "exact: pass use_reentrant=False, or leave it unset."
+    )
+    with (
+        pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)),
+        scopedckpt.checkpointing(model.blocks),
+    ):
+        scopedckpt.checkpoint(model.blocks[1], _x(), use_reentrant=True)
+
+
+class Swaps(nn.Module):
+    """Calls its two scoped dropouts in an order set by state nothing replays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = scopedckpt.Dropout(0.5), scopedckpt.Dropout(0.25)
+        self.order = {"swapped": False}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = (self.b, self.a) if self.order["swapped"] else (self.a, self.b)
+        return second(first(x))
+
+
+def test_scoped_layers_called_in_another_order_name_the_block_and_the_layers() -> None:
+    model = _net(Swaps())
+    with scopedckpt.checkpointing(model.blocks):
+        loss = model(_x()).sum()
+    model.blocks[1].order["swapped"] = True
+    line = (
+        f"scopedckpt: the recompute of region '1' {IN_LIST} (Swaps) made its scoped calls "
+        "in another order: move data-dependent branches out of it."
+    )
+    with pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)) as error:
+        loss.backward()
+    assert f"Dropout(p=0.25, inplace=False) at '1.b' {IN_LIST}, but" in str(error.value)
+
+
+class SometimesTwice(nn.Module):
+    """Calls its scoped dropout once more where state nothing replays says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = scopedckpt.Dropout(0.5)
+        self.linear = nn.Linear(4, 4)
+        self.twice = {"now": False}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.drop(x)
+        if self.twice["now"]:
+            x = self.drop(x)
+        return self.linear(x)
+
+
+def test_more_scoped_calls_in_the_recompute_name_the_block() -> None:
+    model = _net(SometimesTwice())
+    with scopedckpt.checkpointing(model.blocks):
+        loss = model(_x()).sum()
+    model.blocks[1].twice["now"] = True
+    line = (
+        f"scopedckpt: the recompute of region '1' {IN_LIST} (SometimesTwice) made more "
+        "scoped calls than its first forward: move data-dependent branches out of it."
+    )
+    with pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)):
+        loss.backward()
+
+
+class NormsTwice(nn.Module):
+    """Calls its batch norm once more where state nothing replays says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+        self.linear = nn.Linear(4, 4)
+        self.twice = {"now": False}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x)
+        if self.twice["now"]:
+            x = self.norm(x)
+        return self.linear(x)
+
+
+def test_a_module_with_buffers_called_more_often_in_the_recompute_names_the_block() -> None:
+    model = _net(NormsTwice())
+    with scopedckpt.checkpointing(model.blocks):
+        loss = model(_x()).sum()
+    model.blocks[1].twice["now"] = True
+    line = (
+        f"scopedckpt: the recompute of region '1' {IN_LIST} (NormsTwice) called BatchNorm1d "
+        "more often than its first forward: move data-dependent branches out of it."
+    )
+    with pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)) as error:
+        loss.backward()
+    assert f"Its call 2 of '1.norm' {IN_LIST} (BatchNorm1d)" in str(error.value)
+
+
+class Placeholder(nn.Module):
+    """An UninitializedBuffer with no initialize_parameters to fill it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("stats", nn.parameter.UninitializedBuffer())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sin()
+
+
+def test_a_lazy_module_first_called_in_a_region_names_it_and_the_fix() -> None:
+    model = _net(nn.Sequential(nn.Linear(4, 4), Placeholder()))
+    line = (
+        f"scopedckpt: a lazy Placeholder was first called in region '1' {IN_LIST} "
+        "(Sequential): call the model once outside checkpointing first."
+    )
+    with (
+        pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)),
+        scopedckpt.checkpointing(model.blocks),
+    ):
+        model(_x())
+
+
+class DrawsFirst(nn.Module):
+    """Draws from torch's generator before its scoped dropout where state says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = scopedckpt.Dropout(0.5)
+        self.draw = {"now": True}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.draw["now"]:
+            torch.rand(1)
+        return self.drop(x) * 2
+
+
+def test_a_scoped_dropout_drawing_another_seed_names_the_block() -> None:
+    model = _net(DrawsFirst())
+    with scopedckpt.checkpointing(model.blocks):
+        loss = model(_x()).sum()
+    model.blocks[1].draw["now"] = False
+    line = (
+        f"scopedckpt: the recompute of region '1' {IN_LIST} (DrawsFirst) drew other random "
+        "numbers than its first forward: give its scoped layers their own generator=..."
+    )
+    with pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)):
+        loss.backward()
+
+
+class Branches(nn.Module):
+    """Takes a branch set by state nothing replays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.deep = {"now": True}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        return y.tanh().tanh() if self.deep["now"] else y.tanh()
+
+
+def test_a_recompute_taking_another_path_names_the_block() -> None:
+    """The path check of every call (NOTE [ light check ]): its message is _light.py's,
+    its region's name this module's."""
+    model = _net(Branches())
+    with scopedckpt.checkpointing(model.blocks, determinism_check="none"):
+        loss = model(_x()).sum()
+    model.blocks[1].deep["now"] = False
+    with pytest.raises(RecomputeDivergenceError) as error:
+        loss.backward()
+    line = str(error.value).split("\n", 1)[0]
+    assert line.startswith("scopedckpt: "), line
+    assert f"the forward of '1' {IN_LIST} (Branches) took another path" in line, line
+
+
+class DynamicCache:
+    """Stands for transformers' cache: recognised by class name and module."""
+
+    __module__ = "transformers.cache_utils"
+
+
+class Cached(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
+        return self.linear(x)
+
+
+def test_a_hugging_face_cache_given_to_a_block_names_it_and_use_cache() -> None:
+    model = _net(Cached())
+    line = (
+        f"scopedckpt: the forward of '1' {IN_LIST} (Cached) got a Hugging Face DynamicCache "
+        "as keyword argument 'cache' in a region: pass use_cache=False while training."
+    )
+    with (
+        pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)),
+        scopedckpt.checkpointing(model.blocks),
+    ):
+        model.blocks[1](_x(), cache=DynamicCache())
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.relu = nn.ReLU(inplace=True)
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.relu(x))
+
+
+def test_a_class_targets_region_says_how_to_get_its_path() -> None:
+    """An instance of a class target: no path without root=, and the message says so."""
+    model = _net(Block())
+    line = (
+        "scopedckpt: the forward of a Block module (pass root=model to checkpointing() for "
+        "its path) changed its input (positional argument #0) in place: make that op out of "
+        "place (inplace=False)."
+    )
+    with (
+        pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)),
+        scopedckpt.checkpointing(Block),
+    ):
+        model(_x())
+    with (
+        pytest.raises(scopedckpt.ScopedCkptError, match=re.escape("'blocks.1' (Block)")),
+        scopedckpt.checkpointing(Block, root=model),
+    ):
+        model(_x())
+
+
+def _in_place(x: torch.Tensor) -> torch.Tensor:
+    return x.mul_(2)
+
+
+def test_a_function_region_says_how_to_get_a_path() -> None:
+    line = (
+        "scopedckpt: _in_place (a function: checkpoint a module to name it by its path) "
+        "changed its input (positional argument #0) in place: make that op out of place "
+        "(inplace=False)."
+    )
+    with (
+        pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)),
+        scopedckpt.checkpointing(),
+    ):
+        scopedckpt.checkpoint(_in_place, _x() * 1)
+
+
+def test_a_single_model_target_names_its_modules_by_their_paths() -> None:
+    model = _net(Normed())
+    with (
+        pytest.raises(scopedckpt.ScopedCkptError) as error,
+        scopedckpt.checkpointing(model, strict=True),
+    ):
+        model(_x())
+    line = _first_line(str(error.value))
+    assert line.startswith("scopedckpt: strict mode found 'blocks.1.norm' (BatchNorm1d)"), line
+    assert "in the region of the module given to checkpointing() (Net)" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("word", "spoken"),
+    [
+        ("int", "an int"),
+        ("Linear", "a Linear"),
+        ("Embedding", "an Embedding"),
+        ("LSTM", "an LSTM"),
+        ("GRU", "a GRU"),
+        ("RMSNorm", "an RMSNorm"),
+        ("Upsample", "an Upsample"),
+        ("UserDict", "a UserDict"),
+        ("ModuleList", "a ModuleList"),
+    ],
+)
+def test_type_names_take_the_article_they_are_spoken_with(word: str, spoken: str) -> None:
+    assert _names.article(word) == spoken
+
+
+def test_a_bad_target_reads_an_int() -> None:
+    with pytest.raises(TypeError, match=re.escape("checkpointing target #0 is an int;")):
+        scopedckpt.checkpointing(3)  # type: ignore[arg-type]
