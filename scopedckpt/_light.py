@@ -17,8 +17,8 @@ the call where it happens, not at the next sampled one.
 
 * The tail's index is learned per site (:class:`_sampling.Site`), on the
   site's first call that is not light-checked; from then on the first forward
-  fingerprints the tensor at that index when it saves it (the two sums of NOTE
-  [ bitwise verification ], one pass over one tensor), and each tensor past it
+  fingerprints the tensor at that index when it saves it (the sum of its bit
+  patterns, one reduction over one tensor), and each tensor past it
   that could be a tail (a call that saves more than the one the site learned
   from, a branch taken after warm-up), and the recompute fingerprints its own
   at the same indices when it collects them, both before any later op could
@@ -41,7 +41,6 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import CheckpointError
 
-from ._bits import sums
 from ._errors import ScopedCkptError
 from ._torch_private import base_of
 
@@ -70,10 +69,19 @@ def is_tail(x: Tensor) -> bool:
     return base is None or base.grad_fn is not None
 
 
+_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def fingerprint(x: Tensor) -> Tensor:
-    """The tail's fingerprint: the two sums of its bit patterns."""
-    with torch.no_grad():
-        return sums(x)
+    """The tail's fingerprint: the sum of its bit patterns (its elements viewed as integers
+    of their own size): one reduction, which any changed element changes. It wraps modulo
+    2**32 (2**64 for 8-byte elements): int32 accumulates faster than int64 on CPU, and one
+    element's bits change by less than 2**32."""
+    x = x.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    size = x.element_size()
+    return x.view(_INTEGERS[size]).sum(dtype=torch.int64 if size == 8 else torch.int32)
 
 
 def name_or(name: Callable[[], str] | None) -> str:
