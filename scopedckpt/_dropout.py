@@ -46,6 +46,7 @@ from ._replay import tape_value
 from ._selective import internal
 from ._state import FRAME, RECOMPUTE
 from ._strict import scoped_draws
+from ._torch_private import functorch_level
 
 __all__ = [
     "Impl",
@@ -138,6 +139,11 @@ def _dropout(
         )
     seeded = _seeded_dropout
     here = where()
+    if here is EAGER and generator is None and functorch_level() is not None:
+        # Under vmap or grad a seed cannot be read out of a batched draw, and regions run
+        # plainly there (NOTE [ torch.func transforms ]): torch's own op, as torch's layer.
+        out_of_place, in_place = _TORCH_OPS[feature, alpha]
+        return (in_place if inplace else out_of_place)(input, p, training)
     if here is not EAGER:
         if here is GRAPH and generator is None:
             # Inductor's generator, replayed by torch's checkpoint operator

@@ -24,22 +24,12 @@ their last saved tensor. Found two ways:
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, ClassVar
-
 from torch import nn
 
-from ._sampling import site_of
+from ._sampling import known_site, site
 from ._subtree import Listing
 
 __all__ = ["full_recompute", "late_write_found"]
-
-
-class _Found:
-    """The sites found to write a saved tensor late, by site key."""
-
-    # site key -> a weak reference to what the key follows
-    sites: ClassVar[dict[int, Any]] = {}
 
 
 def full_recompute(listing: Listing | None, module: nn.Module | None, fn: object) -> bool:
@@ -49,17 +39,10 @@ def full_recompute(listing: Listing | None, module: nn.Module | None, fn: object
         late = listing.late
         if late and any((layer := ref()) is not None and layer.training for ref in late):
             return True
-    sites = _Found.sites
-    if not sites:
-        return False
-    key, alive = site_of(module, fn)
-    ref = sites.get(key)
-    return ref is not None and ref() is alive
+    found = known_site(module, fn)
+    return found is not None and found.late
 
 
 def late_write_found(module: nn.Module | None, fn: object) -> None:
     """A region of this site saved a tensor before writing it: recompute its site whole."""
-    key, alive = site_of(module, fn)
-    if len(_Found.sites) >= 4096:
-        _Found.sites.clear()
-    _Found.sites[key] = weakref.ref(alive)
+    site(module, fn, count=False).late = True

@@ -250,7 +250,7 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
         and listing is not None
         and not (listing.generators or listing.later or listing.draws)
         and not call.others
-        and not Sites.found
+        and not Sites.any_found
         and call.determinism_check != "bitwise"
     ):
         return False  # nothing to reach, nothing remembered, not watched (as below)

@@ -34,7 +34,7 @@ as the first forward did:
   submodules: each submodule is guarded at its own call) of every module
   called through ``__call__`` inside a region, and the region's owner module
   itself; plus any state a module exposes through the :class:`Stateful`
-  protocol. *Not guarded here:* plain Python attributes, tensors that are not
+  protocol. *Not guarded here:* plain Python attributes (NOTE [ forward's world ]), tensors that are not
   registered buffers, globals, buffers a module registers during its own
   call (the guard looks before the call): use :func:`scopedckpt.replay` or
   the protocol for those. Buffers of the region's module subtree written

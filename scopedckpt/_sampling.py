@@ -40,6 +40,7 @@ from torch import nn
 
 __all__ = [
     "Site",
+    "known_site",
     "sampled",
     "sampled_check",
     "sampling_period",
@@ -58,7 +59,7 @@ _MASK = (1 << 64) - 1
 class Site:
     """What scopedckpt remembers of one region site (NOTE [ sampled verification ])."""
 
-    __slots__ = ("alive", "calls", "tail", "world")
+    __slots__ = ("alive", "calls", "generators", "late", "tail", "world")
 
     def __init__(self, alive: Any) -> None:
         self.alive = alive  # a weak reference to what the site's key follows
@@ -67,6 +68,9 @@ class Site:
         # call has shown it, -1 where the site saves none that it can use.
         self.tail: int | None = None
         self.world: Any = None  # _world.Learned: what its forwards were seen to need
+        self.late = False  # NOTE [ late writes ]: its regions recompute whole
+        # NOTE [ watched sites ]: weak references to the generators the watch found here
+        self.generators: list[weakref.ref[Any]] = []
 
 
 class _Sampling:
@@ -154,8 +158,9 @@ def site_of(owner: object | None, fn: object) -> tuple[int, object]:
     return id(type(target)), type(target)
 
 
-def site(owner: object | None, fn: object) -> Site:
-    """The :class:`Site` of a region's call, counted: one more call."""
+def site(owner: object | None, fn: object, count: bool = True) -> Site:
+    """The :class:`Site` of a region's call (the one table of what scopedckpt remembers per
+    site), made where there is none; ``count``: one more call."""
     key, alive = site_of(owner, fn)
     sites = _Sampling.sites
     entry = sites.get(key)
@@ -163,8 +168,18 @@ def site(owner: object | None, fn: object) -> Site:
         if len(sites) >= _SITES_MAX:
             sites.clear()
         entry = sites[key] = Site(weakref.ref(alive))  # modules, code, classes all are
-    entry.calls += 1
+    if count:
+        entry.calls += 1
     return entry
+
+
+def known_site(owner: object | None, fn: object) -> Site | None:
+    """The :class:`Site` of a region's call where there is one, uncounted."""
+    if not _Sampling.sites:
+        return None
+    key, alive = site_of(owner, fn)
+    entry = _Sampling.sites.get(key)
+    return entry if entry is not None and entry.alive() is alive else None
 
 
 def sampled_check(check: str, owner: object | None, fn: object) -> tuple[str, Site | None]:

@@ -34,14 +34,14 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from ._errors import ScopedCkptError
 from ._mask import MASK_GENERATORS
-from ._sampling import sampling_period, site_of, unverified_calls_before
+from ._sampling import known_site, sampling_period, site, unverified_calls_before
 from ._state import RegionCall, region_name
 
 __all__ = ["Sites", "Stash", "Watch", "defaults", "known", "remember"]
@@ -51,10 +51,10 @@ Stash = list[tuple[torch.Generator, torch.Tensor]]
 
 
 class Sites:
-    """The explicit generators the watch found per region site: site key -> (a weak
-    reference to what the key follows, weak references to the generators)."""
+    """Whether the watch found a generator at any site; the generators themselves are
+    remembered on each site's ``_sampling.Site`` (weakly)."""
 
-    found: ClassVar[dict[int, tuple[Any, list[weakref.ref[torch.Generator]]]]] = {}
+    any_found = False
 
 
 def defaults() -> set[int]:
@@ -69,25 +69,20 @@ def defaults() -> set[int]:
 def known(call: RegionCall) -> list[torch.Generator] | None:
     """The live generators remembered for the site of ``call``; None where its site has
     none remembered (NOTE [ watched sites ])."""
-    if not Sites.found:
+    if not Sites.any_found:
         return None
-    key, alive = site_of(call.module, call.fn)
-    entry = Sites.found.get(key)
-    if entry is None or entry[0]() is not alive:
+    found = known_site(call.module, call.fn)
+    if found is None or not found.generators:
         return None
-    return [g for ref in entry[1] if (g := ref()) is not None]
+    return [g for ref in found.generators if (g := ref()) is not None]
 
 
 def remember(call: RegionCall, generator: torch.Generator) -> None:
     """Remember ``generator`` for the site of ``call``."""
-    key, alive = site_of(call.module, call.fn)
-    entry = Sites.found.get(key)
-    if entry is None or entry[0]() is not alive:
-        if len(Sites.found) >= 4096:
-            Sites.found.clear()
-        entry = Sites.found[key] = (weakref.ref(alive), [])
-    if all(ref() is not generator for ref in entry[1]):
-        entry[1].append(weakref.ref(generator))
+    found = site(call.module, call.fn, count=False)
+    Sites.any_found = True
+    if all(ref() is not generator for ref in found.generators):
+        found.generators.append(weakref.ref(generator))
 
 
 class Watch(TorchFunctionMode):

@@ -19,6 +19,9 @@ import scopedckpt
 from scopedckpt import _names
 from scopedckpt._light import RecomputeDivergenceError
 
+from .test_guard import Placeholder
+from .test_written import ClampsAChildsWeight
+
 aten = torch.ops.aten
 
 IN_LIST = "in the ModuleList given to checkpointing()"
@@ -91,17 +94,6 @@ def test_a_failed_bitwise_verification_names_the_block_and_stateful() -> None:
     assert "Saved tensor #" in str(error.value)  # the details follow
 
 
-class ClampsAChildsWeight(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            self.linear.weight.clamp_(-0.1, 0.1)
-        return self.linear(x)
-
-
 def test_a_parameter_written_without_a_copy_names_the_block() -> None:
     model = _net(ClampsAChildsWeight())
     line = (
@@ -165,21 +157,6 @@ class Drops(nn.Module):
         return F.dropout(x, 0.5)
 
 
-def test_strict_mode_names_the_random_op_and_the_block() -> None:
-    model = _net(Drops())
-    with (
-        pytest.raises(scopedckpt.ScopedCkptError) as error,
-        scopedckpt.checkpointing(model.blocks, strict=True),
-    ):
-        model(_x())
-    line = _first_line(str(error.value))
-    assert re.fullmatch(
-        r"scopedckpt: strict mode found the random op aten\.\S+ in region '1' "
-        + re.escape(f"{IN_LIST} (Drops): use a scoped layer or turn strict off."),
-        line,
-    ), line
-
-
 class DrawsFromItsOwn(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -189,19 +166,33 @@ class DrawsFromItsOwn(nn.Module):
         return x * torch.rand(x.shape, generator=self.generator)
 
 
-def test_strict_mode_names_a_draw_from_a_generator_of_its_own() -> None:
-    model = _net(DrawsFromItsOwn())
+@pytest.mark.parametrize(
+    ("block", "pattern"),
+    [
+        (Drops, r"scopedckpt: strict mode found the random op aten\.\S+ in region '1' "),
+        (
+            DrawsFromItsOwn,
+            r"scopedckpt: strict mode found aten\.\S+ on its own generator in region '1' ",
+        ),
+    ],
+    ids=["random op", "own generator"],
+)
+def test_strict_mode_names_the_random_op_and_the_block(
+    block: type[nn.Module], pattern: str
+) -> None:
+    model = _net(block())
     with (
         pytest.raises(scopedckpt.ScopedCkptError) as error,
         scopedckpt.checkpointing(model.blocks, strict=True),
     ):
         model(_x())
     line = _first_line(str(error.value))
-    assert re.fullmatch(
-        r"scopedckpt: strict mode found aten\.\S+ on its own generator in region "
-        + re.escape(f"'1' {IN_LIST} (DrawsFromItsOwn): use a scoped layer with generator=g."),
-        line,
-    ), line
+    fix = (
+        "use a scoped layer with generator=g."
+        if block is DrawsFromItsOwn
+        else ("use a scoped layer or turn strict off.")
+    )
+    assert re.fullmatch(pattern + re.escape(f"{IN_LIST} ({block.__name__}): {fix}"), line), line
 
 
 class Normed(nn.Module):
@@ -334,74 +325,47 @@ def test_scoped_layers_called_in_another_order_name_the_block_and_the_layers() -
     assert f"Dropout(p=0.25, inplace=False) at '1.b' {IN_LIST}, but" in str(error.value)
 
 
-class SometimesTwice(nn.Module):
-    """Calls its scoped dropout once more where state nothing replays says so."""
+class CallsTwice(nn.Module):
+    """Calls ``layer`` once more where state nothing replays says so."""
 
-    def __init__(self) -> None:
+    def __init__(self, layer: nn.Module) -> None:
         super().__init__()
-        self.drop = scopedckpt.Dropout(0.5)
+        self.layer = layer
         self.linear = nn.Linear(4, 4)
         self.twice = {"now": False}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.drop(x)
+        x = self.layer(x)
         if self.twice["now"]:
-            x = self.drop(x)
+            x = self.layer(x)
         return self.linear(x)
 
 
 def test_more_scoped_calls_in_the_recompute_name_the_block() -> None:
-    model = _net(SometimesTwice())
+    model = _net(CallsTwice(scopedckpt.Dropout(0.5)))
     with scopedckpt.checkpointing(model.blocks):
         loss = model(_x()).sum()
     model.blocks[1].twice["now"] = True
     line = (
-        f"scopedckpt: the recompute of region '1' {IN_LIST} (SometimesTwice) made more "
+        f"scopedckpt: the recompute of region '1' {IN_LIST} (CallsTwice) made more "
         "scoped calls than its first forward: move data-dependent branches out of it."
     )
     with pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)):
         loss.backward()
 
 
-class NormsTwice(nn.Module):
-    """Calls its batch norm once more where state nothing replays says so."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.BatchNorm1d(4)
-        self.linear = nn.Linear(4, 4)
-        self.twice = {"now": False}
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x)
-        if self.twice["now"]:
-            x = self.norm(x)
-        return self.linear(x)
-
-
 def test_a_module_with_buffers_called_more_often_in_the_recompute_names_the_block() -> None:
-    model = _net(NormsTwice())
+    model = _net(CallsTwice(nn.BatchNorm1d(4)))
     with scopedckpt.checkpointing(model.blocks):
         loss = model(_x()).sum()
     model.blocks[1].twice["now"] = True
     line = (
-        f"scopedckpt: the recompute of region '1' {IN_LIST} (NormsTwice) called BatchNorm1d "
+        f"scopedckpt: the recompute of region '1' {IN_LIST} (CallsTwice) called BatchNorm1d "
         "more often than its first forward: move data-dependent branches out of it."
     )
     with pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)) as error:
         loss.backward()
-    assert f"Its call 2 of '1.norm' {IN_LIST} (BatchNorm1d)" in str(error.value)
-
-
-class Placeholder(nn.Module):
-    """An UninitializedBuffer with no initialize_parameters to fill it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("stats", nn.parameter.UninitializedBuffer())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.sin()
+    assert f"Its call 2 of '1.layer' {IN_LIST} (BatchNorm1d)" in str(error.value)
 
 
 def test_a_lazy_module_first_called_in_a_region_names_it_and_the_fix() -> None:

@@ -408,3 +408,17 @@ def test_hooks_that_look_run_once_and_hooks_that_change_tensors_still_apply() ->
     checkpointed, checkpointed_seen = _hooked_training(True)
     assert checkpointed_seen == plain_seen
     assert _equal(checkpointed, plain)
+
+
+def test_a_converted_model_runs_under_vmap_with_different_randomness() -> None:
+    """Scoped dropout under a torch.func transform is torch's dropout (a seed cannot be read
+    out of a batched draw): the same bits as the unconverted model."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2))
+    converted = scopedckpt.convert(copy.deepcopy(plain))
+    x = torch.randn(3, 5, 4)
+    outputs = []
+    for model in (plain, converted):
+        torch.manual_seed(1)
+        outputs.append(torch.vmap(model, randomness="different")(x))
+    assert torch.equal(outputs[0], outputs[1])

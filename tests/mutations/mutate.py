@@ -650,7 +650,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "functional_rrelu_site_forgotten",
         "scopedckpt/_early_stop.py",
-        "    _Found.sites[key] = weakref.ref(alive)",
+        "    site(module, fn, count=False).late = True",
         "    pass",
         ("tests/test_verify.py",),
         "F.rrelu in a region reads unwritten noise from the second step on, silently",
@@ -684,7 +684,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "generators_module_region_forgets_its_site",
         "scopedckpt/_generators.py",
-        "        and not Sites.found\n",
+        "        and not Sites.any_found\n",
         "",
         ("tests/test_generators.py", "tests/test_testing.py"),
         "a region running a module skips the generators a verified call of its site found",
