@@ -5,10 +5,11 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from . import _targets
@@ -90,6 +91,11 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         compares shapes, dtypes and devices), ``"bitwise"`` (values too, bit for
         bit, from fingerprints: NOTE [ bitwise verification ]) or ``"none"``.
         ``None`` inherits the outer block's.
+    generators
+        ``torch.Generator`` objects the regions made in this block draw from with
+        ``generator=`` where scopedckpt cannot find them itself (a global, a helper
+        object's): each region stashes their states when it starts and every
+        recompute replays them (NOTE [ forward's world ]). Added to the outer block's.
 
     Raises
     ------
@@ -121,6 +127,7 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         root: nn.Module | None = None,
         save: Any = None,
         determinism_check: str | None = None,
+        generators: Sequence[torch.Generator] = (),
     ) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(
@@ -143,6 +150,14 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
                 f"scopedckpt: checkpointing(determinism_check=...) must be one of "
                 f"{DETERMINISM_CHECKS} or None, got {determinism_check!r}."
             )
+        generators = tuple(generators)
+        for index, generator in enumerate(generators):
+            if not isinstance(generator, torch.Generator):
+                raise TypeError(
+                    f"scopedckpt: checkpointing(generators=...) takes torch.Generator "
+                    f"objects, but item #{index} is {article(type(generator).__name__)}."
+                )
+        self._generators = generators
         self._determinism_check = determinism_check
         self._targets = targets
         self._enabled = enabled
@@ -213,6 +228,7 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
             or (parent.determinism_check if parent is not None else "default"),
             saves,
             containers,
+            (parent.generators if parent is not None else ()) + self._generators,
         )
         delta = int(self._enabled) - int(parent is not None and parent.enabled)
         token = SCOPE.set(scope)
@@ -246,6 +262,7 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
             root=self._root,
             save=self._save_items,
             determinism_check=self._determinism_check,
+            generators=self._generators,
         )
 
     def __call__(self, func: F) -> F:

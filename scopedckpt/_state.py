@@ -119,6 +119,8 @@ class Scope:
     # The nn.ModuleList and nn.ModuleDict targets, whose children are in ``keep``: messages
     # name those children by their keys in them (NOTE [ naming ] in _names.py).
     containers: tuple[Any, ...] = ()
+    # torch.Generators its regions stash and replay (NOTE [ forward's world ])
+    generators: tuple[Any, ...] = ()
 
     def policy_for(self, owner: object | None) -> Any:
         """The ``save=`` policy of a region this scope makes for ``owner``'s forward."""

@@ -145,9 +145,9 @@ def _seeded_only(generator: torch.Generator, state: torch.Tensor) -> bool:
 
 
 _FIX = (
-    "Keep the generator where scopedckpt finds it when a region starts: an attribute of a "
-    "module the region runs, set when the module is built, or an argument of the region "
-    "(or pass it as generator=... in the region's own code); or verify every call with "
+    "Register it with checkpointing(generators=[g]), or keep it where scopedckpt finds it "
+    "when a region starts: an attribute of a module the region runs, set when the module "
+    "is built, or an argument of the region; or verify every call with "
     "scopedckpt.set_verification_sampling(1)."
 )
 

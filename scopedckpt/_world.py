@@ -18,7 +18,9 @@ When a region over a module starts, it records its *world*:
   ``self.cache = h``) that change between a first forward's start and its
   recompute, by the forward or by anyone;
 * **Python's ``random`` and NumPy's global RNG**, where the forward draws from
-  them (LayerDrop written with ``random.random()``).
+  them (LayerDrop written with ``random.random()``), and the ``torch.Generator``
+  objects registered with ``checkpointing(generators=[g])``, every call (those
+  scopedckpt finds itself: NOTE [ explicit generators ]).
 
 Attributes and random states are costly to record at every call (a
 ``random.getstate()`` costs more than a region's whole machinery), so a site
@@ -57,6 +59,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from ._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape
@@ -84,7 +87,7 @@ class Learned:
 class World:
     """A region's recorded world (``tape.world``); private to this mechanism."""
 
-    __slots__ = ("attributes", "bindings", "learning", "numpy", "python", "site")
+    __slots__ = ("attributes", "bindings", "generators", "learning", "numpy", "python", "site")
 
     def __init__(self, site: Any, learning: bool) -> None:
         self.site = site
@@ -95,6 +98,9 @@ class World:
         self.attributes: list[tuple[dict[str, Any], str, Any]] = []
         self.python: Any = None  # random.getstate() at the start, where recorded
         self.numpy: Any = None  # numpy.random.get_state() at the start, where recorded
+        # the scope's registered generators (checkpointing(generators=...)), with their
+        # states at the start
+        self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
 
 
 def _numpy_random() -> Any:
@@ -116,6 +122,8 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
     world = World(site, learning)
     if listing is not None:
         world.bindings = tuple(zip(listing.registrations, map(dict.copy, listing.registrations)))
+    if call.scope.generators:
+        world.generators = [(g, g.get_state()) for g in call.scope.generators]
     if learning:
         if listing is not None:
             world.attributes = [
@@ -135,7 +143,14 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
         if learned.numpy:
             numpy = _numpy_random()
             world.numpy = None if numpy is None else numpy.get_state()
-    if not (world.bindings or world.attributes or learning or world.python or world.numpy):
+    if not (
+        world.bindings
+        or world.attributes
+        or learning
+        or world.python
+        or world.numpy
+        or world.generators
+    ):
         return False
     tape.world = world
     return True
@@ -186,9 +201,12 @@ def enter_frame(frame: Frame) -> Callable[..., None] | None:
     if numpy is not None:
         numpy_state = numpy.get_state()
         numpy.set_state(world.numpy)
-    if not (undo or python or numpy_state):
+    generators = [(g, g.get_state()) for g, _ in world.generators]
+    for generator, state in world.generators:
+        generator.set_state(state)
+    if not (undo or python or numpy_state or generators):
         return None
-    return functools.partial(_put_back, undo, python, numpy, numpy_state)
+    return functools.partial(_put_back, undo, python, numpy, numpy_state, generators)
 
 
 def _forward_ended(world: World, *exc: object) -> None:
@@ -249,6 +267,7 @@ def _put_back(
     python: Any,
     numpy: Any,
     numpy_state: Any,
+    generators: list[tuple[torch.Generator, torch.Tensor]],
     *exc: object,
 ) -> None:
     for d, name, present in reversed(undo):
@@ -260,3 +279,5 @@ def _put_back(
         random.setstate(python)
     if numpy_state is not None:
         numpy.set_state(numpy_state)
+    for generator, state in generators:
+        generator.set_state(state)

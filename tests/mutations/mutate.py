@@ -1608,6 +1608,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "saved values",
     ),
     Mutant(
+        "world_ignores_registered_generators",
+        "scopedckpt/_world.py",
+        "    if call.scope.generators:\n",
+        "    if False:\n",
+        ("tests/test_world.py",),
+        "checkpointing(generators=[g]) replays nothing: the recompute draws other numbers",
+    ),
+    Mutant(
         "transform_regions_checkpointed",
         "scopedckpt/_transforms.py",
         "    if _torch_private.functorch_level() is None:\n        return False",
