@@ -371,15 +371,6 @@ def _region(
 region_outside_dynamo = torch.compiler.disable(_region, recursive=False)
 
 
-REENTRANT_MESSAGE = (
-    "scopedckpt: checkpoint(use_reentrant=True) cannot be exact. Reentrant checkpointing "
-    "reruns the region in a nested backward through an autograd.Function that takes no "
-    "context_fn, so nothing can replay its random numbers or keep its buffers from being "
-    "updated twice. Pass use_reentrant=False, or leave it unset: scopedckpt regions are "
-    "always non-reentrant, which torch recommends as well."
-)
-
-
 def _region_name(owner: object | None, label: object, scope: Scope) -> str:
     """A region's name in an error message: ``the forward of 'blocks.1' (Block)``, or
     ``checkpoint region <function>``."""

@@ -50,8 +50,8 @@ from typing import Any
 
 from torch import nn
 
-from .._checkpoint import _DETERMINISM_CHECKS
-from .._engine import REENTRANT_MESSAGE, layer_of, region_outside_dynamo
+from .._checkpoint import _DETERMINISM_CHECKS, reentrant_message
+from .._engine import layer_of, region_outside_dynamo
 from .._errors import ScopedCkptError
 from .._options import DEFAULT_OPTIONS, RegionOptions
 from .._state import DEFAULT_SCOPE, SCOPE
@@ -84,8 +84,11 @@ def _region_options(
     """``base`` with torch's checkpoint ``keywords`` (only :data:`HONOURED_KWARGS`) applied."""
     if keywords.get("use_reentrant"):
         raise ScopedCkptError(
-            f"{REENTRANT_MESSAGE} (Hugging Face asked for it through {_KWARGS_SOURCE}: pass "
-            "{'use_reentrant': False} there, or leave the key out.)"
+            reentrant_message(
+                "Hugging Face gradient checkpointing with use_reentrant=True",
+                f"It came through {_KWARGS_SOURCE}: pass {{'use_reentrant': False}} there, "
+                "or leave the key out. ",
+            )
         )
     determinism_check = keywords.get("determinism_check", base.determinism_check)
     if determinism_check not in _DETERMINISM_CHECKS:
