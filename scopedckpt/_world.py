@@ -87,7 +87,16 @@ class Learned:
 class World:
     """A region's recorded world (``tape.world``); private to this mechanism."""
 
-    __slots__ = ("attributes", "bindings", "generators", "learning", "numpy", "python", "site")
+    __slots__ = (
+        "attributes",
+        "bindings",
+        "dicts",
+        "generators",
+        "learning",
+        "numpy",
+        "python",
+        "site",
+    )
 
     def __init__(self, site: Any, learning: bool) -> None:
         self.site = site
@@ -96,6 +105,7 @@ class World:
         self.bindings: tuple[tuple[dict[str, Any], dict[str, Any]], ...] = ()
         # (a module's __dict__, attribute name, value at the start or _MISSING)
         self.attributes: list[tuple[dict[str, Any], str, Any]] = []
+        self.dicts: list[dict[str, Any]] = []  # a learning call's: every module's __dict__
         self.python: Any = None  # random.getstate() at the start, where recorded
         self.numpy: Any = None  # numpy.random.get_state() at the start, where recorded
         # the scope's registered generators (checkpointing(generators=...)), with their
@@ -126,9 +136,10 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
         world.generators = [(g, g.get_state()) for g in call.scope.generators]
     if learning:
         if listing is not None:
+            world.dicts = [vars(m) for ref in listing.modules if (m := ref()) is not None]
             world.attributes = [
                 (d, name, value)
-                for d in _module_dicts(listing)
+                for d in world.dicts
                 for name, value in d.items()
                 if name not in _MODULE_INTERNALS
             ]
@@ -158,10 +169,6 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
 
 # What every nn.Module keeps in its __dict__: not attributes of the user's.
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
-
-
-def _module_dicts(listing: Any) -> list[dict[str, Any]]:
-    return [vars(m) for ref in listing.modules if (m := ref()) is not None]
 
 
 def enter_frame(frame: Frame) -> Callable[..., None] | None:
@@ -239,10 +246,10 @@ def _learn(world: World) -> None:
     for d, name, value in world.attributes:
         if d.get(name, _MISSING) is not value and (id(d), name) not in known:
             found.append((d, name))
-    # An attribute a module gained since: its absence is recorded as _MISSING.
-    dicts = {id(d): d for d, _, _ in world.attributes}
+    # An attribute a module gained since, in any module of the subtree (one that had no
+    # attribute of its own at the start too): its absence is recorded as _MISSING.
     recorded = {(id(d), name) for d, name, _ in world.attributes}
-    for d in dicts.values():
+    for d in world.dicts:
         for name in d:
             key = (id(d), name)
             if key not in recorded and key not in known and name not in _MODULE_INTERNALS:

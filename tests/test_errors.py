@@ -94,17 +94,22 @@ def test_a_failed_bitwise_verification_names_the_block_and_stateful() -> None:
     assert "Saved tensor #" in str(error.value)  # the details follow
 
 
+def _refused_in_forward(model: nn.Module, line: str) -> None:
+    """``model``'s blocks as regions: its forward raises with first line ``line``."""
+    with (
+        pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)),
+        scopedckpt.checkpointing(model.blocks),
+    ):
+        model(_x())
+
+
 def test_a_parameter_written_without_a_copy_names_the_block() -> None:
     model = _net(ClampsAChildsWeight())
     line = (
         f"scopedckpt: the forward of '1' {IN_LIST} (ClampsAChildsWeight) changed parameter "
         "'linear.weight' in place: make that change outside the region (before the step)."
     )
-    with (
-        pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)),
-        scopedckpt.checkpointing(model.blocks),
-    ):
-        model(_x())
+    _refused_in_forward(model, line)
 
 
 class Bank(nn.Module):
@@ -374,11 +379,7 @@ def test_a_lazy_module_first_called_in_a_region_names_it_and_the_fix() -> None:
         f"scopedckpt: a lazy Placeholder was first called in region '1' {IN_LIST} "
         "(Sequential): call the model once outside checkpointing first."
     )
-    with (
-        pytest.raises(scopedckpt.ScopedCkptError, match=_exactly(line)),
-        scopedckpt.checkpointing(model.blocks),
-    ):
-        model(_x())
+    _refused_in_forward(model, line)
 
 
 class DrawsFirst(nn.Module):

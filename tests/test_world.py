@@ -150,6 +150,21 @@ class SizesAtFirstCall(nn.Module):
         return y / self.max_val.clamp_min(1e-3)
 
 
+class GainsAnAttribute(nn.Module):
+    """Has no attribute of its own until its first forward makes one, then counts in it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "scale" not in vars(self):
+            self.scale = 1.0
+        else:
+            self.scale += 0.5
+        return torch.tanh(self.linear(x) * self.scale)
+
+
 def _train(
     make: Callable[[], nn.Module],
     checkpointed: bool,
@@ -184,6 +199,13 @@ REGIMES: dict[str, tuple[Callable[[], nn.Module], int, Callable[[nn.Module], Non
     "locked dropout mask cached on the module": (LockedDropout, 2, LockedDropout.reset),
     "tensor passed by attribute, second view": (PassesByAttribute, 2, None),
     "buffer sized at the first call": (SizesAtFirstCall, 1, None),
+    # a child, which (unlike a region's own module, whose forward is patched) holds no
+    # attribute of its own at the first region's start
+    "attribute the first forward adds, in a child": (
+        lambda: nn.Sequential(GainsAnAttribute()),
+        1,
+        None,
+    ),
 }
 
 
