@@ -330,25 +330,8 @@ def verify(results: Results) -> list[str]:
     return _quick_note(data) + table(header, rows) + ["", facts]
 
 
-def generators(results: Results) -> list[str]:
-    """generators.json: step time of regions whose code names a generator (watched) over
-    the same regions passing it under another name (not watched)."""
-    data = results["generators"]
-    header = ["shape", "width", "batch", "blocks", "rounds", "ms unnamed", "ms named"]
-    header += ["named/unnamed", "95 % interval"]
-    rows = [
-        [r["shape"], r["width"], r["batch"], r["blocks"], r["rounds"]]
-        + [f"{r['median_ms'][v]:.2f}" for v in ("unnamed", "named")]
-        + [f"{r['named/unnamed']:.3f}", interval(r["named/unnamed 95% interval"])]
-        for r in data["rows"]
-    ]
-    facts = f"torch threads: {data['threads']}; intervals: {data['interval']}."
-    return _quick_note(data) + table(header, rows) + ["", facts]
-
-
 WRITTEN_BY = {
     "compiled": "python -m benchmarks.compiled",
-    "generators": "python -m benchmarks.generators",
     "fixed_heap": "python -m benchmarks.run --fixed-heap",
     "results": "python -m benchmarks.run",
     "selective": "python -m benchmarks.selective",
@@ -387,7 +370,6 @@ TABLES: dict[str, Callable[[Results], list[str]]] = {
     "dropout-formulations": dropout_formulations,
     "small-models": small_models,
     "verify": verify,
-    "generators": generators,
     "compiled": compiled,
     "selective": selective,
     "threads": threads,

@@ -69,7 +69,7 @@ class Site:
         self.tail: int | None = None
         self.world: Any = None  # _world.Learned: what its forwards were seen to need
         self.late = False  # NOTE [ late writes ]: its regions recompute whole
-        # NOTE [ watched sites ]: weak references to the generators the watch found here
+        # NOTE [ explicit generators ]: weak references to those its watched forwards used
         self.generators: list[weakref.ref[Any]] = []
 
 

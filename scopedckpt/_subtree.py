@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,14 +24,14 @@ from torch.nn.modules import module as torch_module
 from torch.nn.parameter import is_lazy
 
 from ._module_state import guarded
-from ._reach import Place, subtree_places
-from ._slots import subtree_slots
 from ._torch_private import module_buffers, module_hooks, module_parameters
 
 __all__ = [
     "LATE_WRITERS",
     "Listing",
+    "attribute_places",
     "current_parameters",
+    "generators_in",
     "may_write_parameters",
     "subtree",
 ]
@@ -58,15 +59,9 @@ class Listing:
     # guard guards when called (scoped batch norm keeps its own)
     buffers: tuple[tuple[str, weakref.ref[nn.Module], str], ...]
     late: tuple[weakref.ref[nn.Module], ...]  # its LATE_WRITERS layers
-    # _generators: the places where the subtree, or the code its modules run, held a
-    # torch.Generator (NOTE [ generator places ] in _reach.py; followed at each use: they
-    # may be reassigned)
-    generators: tuple[Place, ...]
-    # where its forwards may keep generators they make (NOTE [ generator slots ])
-    later: tuple[Place, ...]
-    # whether the code its modules run names generators: its first forwards are watched
-    # (NOTE [ watched code ] in _generators.py)
-    draws: bool
+    # _generators: its modules' attributes that held generators (NOTE [ explicit
+    # generators ]; followed at each use: they may be reassigned)
+    generators: tuple[tuple[weakref.ref[nn.Module], str], ...]
     # _world: each non-empty _parameters and _buffers dict of the subtree's modules, and
     # the modules (NOTE [ forward's world ] in _world.py)
     registrations: tuple[dict[str, Any], ...]
@@ -140,6 +135,39 @@ def may_write_parameters(module: nn.Module) -> bool:
     return getattr(module, "max_norm", None) is not None or isinstance(module, nn.RNNBase)
 
 
+def attribute_places(
+    modules: Iterable[nn.Module],
+) -> tuple[tuple[weakref.ref[nn.Module], str], ...]:
+    """The attributes of ``modules`` holding a generator, or a list, tuple or dict with
+    one (NOTE [ explicit generators ] in ``_generators.py``: followed at each region).
+
+    Example
+    -------
+    >>> block = nn.Linear(2, 2)
+    >>> block.noise = torch.Generator()
+    >>> [name for _, name in attribute_places([block])]
+    ['noise']
+    """
+    places: list[tuple[weakref.ref[nn.Module], str]] = []
+    for module in modules:
+        for name, value in vars(module).items():
+            if generators_in(value):
+                places.append((weakref.ref(module), name))
+    return tuple(places)
+
+
+def generators_in(value: object) -> list[torch.Generator]:
+    """``value`` if it is a generator, else the generators among its items (one level)."""
+    kind = type(value)
+    if kind is torch.Generator:
+        return [value]  # type: ignore[list-item]
+    if kind is dict:
+        value = value.values()  # type: ignore[attr-defined]
+    elif kind is not list and kind is not tuple:
+        return []
+    return [item for item in value if type(item) is torch.Generator]  # type: ignore[attr-defined]
+
+
 def subtree(owner: nn.Module) -> Listing:
     """The listing of ``owner``'s subtree, made again when any module registered anything."""
     entry = _Listing.by_owner.get(id(owner))
@@ -178,8 +206,7 @@ def subtree(owner: nn.Module) -> Listing:
     registrations = tuple(
         d for _, m in modules for d in (module_parameters(m), module_buffers(m)) if d
     )
-    generators, draws = subtree_places(module for _, module in modules)
-    later = subtree_slots(module for _, module in modules)
+    generators = attribute_places(module for _, module in modules)
     if len(_Listing.by_owner) >= 4096:
         _Listing.by_owner.clear()
     forget = functools.partial(_forget, id(owner))
@@ -192,8 +219,6 @@ def subtree(owner: nn.Module) -> Listing:
         buffers,
         late,
         generators,
-        later,
-        draws,
         registrations,
         tuple(weak[id(m)] for _, m in modules),
         tuple(d for _, m in modules for d in module_hooks(m)),

@@ -18,9 +18,8 @@ When a region over a module starts, it records its *world*:
   ``self.cache = h``) that change between a first forward's start and its
   recompute, by the forward or by anyone;
 * **Python's ``random`` and NumPy's global RNG**, where the forward draws from
-  them (LayerDrop written with ``random.random()``), and the ``torch.Generator``
-  objects registered with ``checkpointing(generators=[g])``, every call (those
-  scopedckpt finds itself: NOTE [ explicit generators ]).
+  them (LayerDrop written with ``random.random()``); torch's generators are the
+  RNG replay's and NOTE [ explicit generators ]'s.
 
 Attributes and random states are costly to record at every call (a
 ``random.getstate()`` costs more than a region's whole machinery), so a site
@@ -59,7 +58,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
 from ._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape
@@ -91,7 +89,6 @@ class World:
         "attributes",
         "bindings",
         "dicts",
-        "generators",
         "learning",
         "numpy",
         "python",
@@ -108,9 +105,6 @@ class World:
         self.dicts: list[dict[str, Any]] = []  # a learning call's: every module's __dict__
         self.python: Any = None  # random.getstate() at the start, where recorded
         self.numpy: Any = None  # numpy.random.get_state() at the start, where recorded
-        # the scope's registered generators (checkpointing(generators=...)), with their
-        # states at the start
-        self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
 
 
 def _numpy_random() -> Any:
@@ -132,8 +126,6 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
     world = World(site, learning)
     if listing is not None:
         world.bindings = tuple(zip(listing.registrations, map(dict.copy, listing.registrations)))
-    if call.scope.generators:
-        world.generators = [(g, g.get_state()) for g in call.scope.generators]
     if learning:
         if listing is not None:
             world.dicts = [vars(m) for ref in listing.modules if (m := ref()) is not None]
@@ -154,14 +146,7 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
         if learned.numpy:
             numpy = _numpy_random()
             world.numpy = None if numpy is None else numpy.get_state()
-    if not (
-        world.bindings
-        or world.attributes
-        or learning
-        or world.python
-        or world.numpy
-        or world.generators
-    ):
+    if not (world.bindings or world.attributes or learning or world.python or world.numpy):
         return False
     tape.world = world
     return True
@@ -208,12 +193,9 @@ def enter_frame(frame: Frame) -> Callable[..., None] | None:
     if numpy is not None:
         numpy_state = numpy.get_state()
         numpy.set_state(world.numpy)
-    generators = [(g, g.get_state()) for g, _ in world.generators]
-    for generator, state in world.generators:
-        generator.set_state(state)
-    if not (undo or python or numpy_state or generators):
+    if not (undo or python or numpy_state):
         return None
-    return functools.partial(_put_back, undo, python, numpy, numpy_state, generators)
+    return functools.partial(_put_back, undo, python, numpy, numpy_state)
 
 
 def _forward_ended(world: World, *exc: object) -> None:
@@ -274,7 +256,6 @@ def _put_back(
     python: Any,
     numpy: Any,
     numpy_state: Any,
-    generators: list[tuple[torch.Generator, torch.Tensor]],
     *exc: object,
 ) -> None:
     for d, name, present in reversed(undo):
@@ -286,5 +267,3 @@ def _put_back(
         random.setstate(python)
     if numpy_state is not None:
         numpy.set_state(numpy_state)
-    for generator, state in generators:
-        generator.set_state(state)

@@ -37,14 +37,13 @@ def _no_scope_leaks():
     """Every test must leave no scope, frame, patch or global hook behind."""
     import torch.utils.checkpoint as torch_checkpoint
 
-    from scopedckpt import _guard, _patch, _report, _sampling, _targets, _watch
+    from scopedckpt import _guard, _patch, _report, _sampling, _targets
     from scopedckpt._state import FRAME, SCOPE
 
     # What scopedckpt remembers per site (_sampling.Site: sampled verification's counts,
     # late writes, the light check's tail, the world, the watch's generators), some sites
     # (module-level functions) shared by tests: each test starts afresh.
     _sampling._Sampling.sites.clear()
-    _watch.Sites.any_found = False
     yield
     gc.collect()  # regions hold target patches until torch frees them
     assert SCOPE.get() is None, "a checkpointing scope leaked out of the test"

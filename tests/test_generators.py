@@ -1,8 +1,7 @@
-"""Explicit generators (``generator=g``) in regions: found where a region can reach them
-(NOTE [ generator places ] in ``_reach.py``) and by verified first forwards, made again by
-recomputes where a forward makes and keeps them (NOTE [ generator slots ] in ``_slots.py``),
-stashed at every region of their site, replayed by recomputes (NOTE [ explicit
-generators ] in ``_generators.py``; issue 25, hole 6)."""
+"""Explicit generators (``generator=g``) in regions: those a region holds in its modules'
+attributes, is given, was registered with or its site's verified calls used are replayed
+bit for bit; any other is refused, named, with the fix (NOTE [ explicit generators ] in
+``_generators.py``; issue 25, hole 6; issue 40)."""
 
 from __future__ import annotations
 
@@ -12,15 +11,15 @@ import gc
 import types
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 
 import pytest
 import torch
 from torch import nn
 
 import scopedckpt
-from scopedckpt import _generators, _sampling, _watch
-from scopedckpt._light import RecomputeDivergenceError
-from scopedckpt._state import DEFAULT_SCOPE, RegionCall
+from scopedckpt import _generators, _sampling
+from scopedckpt._subtree import attribute_places
 
 
 class Noisy(nn.Module):
@@ -360,14 +359,22 @@ def _reseed() -> None:
 
 
 def _train_gated(
-    reach: str, checkpointed: bool, steps: int = 4, first_noisy: int = 1, called: bool = False
+    reach: str,
+    checkpointed: bool,
+    steps: int = 6,
+    first_noisy: int = 1,
+    called: bool = False,
+    register: bool = False,
 ) -> list[torch.Tensor]:
     """Gradients and the generator's state after each step, the block a region reached as
     ``reach`` says: by its module target (``called``: ``checkpoint(block, x)`` instead),
-    or as a region given the generator as an argument, in a closure, or in a partial."""
+    or as a region given the generator as an argument, in a closure, or in a partial;
+    ``register``: the block's generator registered with checkpointing(generators=...)."""
     if reach == "global hook":
         with _global_hook():
-            return _train_gated("global hook, registered", checkpointed, steps, first_noisy, called)
+            return _train_gated(
+                "global hook, registered", checkpointed, steps, first_noisy, called, register
+            )
     reach = reach.removesuffix(", registered")
     torch.manual_seed(0)
     _reseed()
@@ -397,7 +404,8 @@ def _train_gated(
             with scopedckpt.checkpointing():
                 loss = head(scopedckpt.checkpoint(block, x)).sum()
         elif checkpointed:
-            with scopedckpt.checkpointing(block):
+            registered = [block.generator_now()] if register else []
+            with scopedckpt.checkpointing(block, generators=registered):
                 loss = head(block(x)).sum()
         else:
             loss = head(block(x, given)).sum()
@@ -409,119 +417,180 @@ def _train_gated(
     return seen
 
 
-REACHES = [reach for reach in KINDS if reach not in ("made elsewhere", "remade")]
-
-
-@pytest.fixture
-def places_alone(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """No code counts as naming generators (NOTE [ watched code ]): only the places a
-    region reaches, and verified calls' watch, find its generators."""
-    from scopedckpt import _reach
-
-    monkeypatch.setattr(_reach, "names_generators", lambda code: False)
-    _generators._Code.places.clear()
-    yield
-    _generators._Code.places.clear()
-
-
-@pytest.fixture
-def watch_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No generator is stashed when a region starts: only the watch of first forwards
-    finds them."""
-    monkeypatch.setattr(_generators, "_add", lambda found, generator: None)
-
-
-@pytest.mark.usefixtures("places_alone")
-@pytest.mark.parametrize("reach", REACHES)
-def test_a_generator_first_used_on_an_unverified_call_is_replayed(reach: str) -> None:
-    """A generator the region can reach is stashed at every region, verified or not: a
-    draw the site's first (verified) call never made is replayed from its first use."""
-    plain = _train_gated(reach, checkpointed=False)
-    checkpointed = _train_gated(reach, checkpointed=True)
-    assert len(plain) == len(checkpointed)
-    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
-
-
-@pytest.mark.usefixtures("no_sampling", "places_alone")
-@pytest.mark.parametrize("reach", REACHES)
-def test_a_reachable_generator_is_replayed_without_verification(reach: str) -> None:
-    plain = _train_gated(reach, checkpointed=False)
-    checkpointed = _train_gated(reach, checkpointed=True)
-    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
-
-
-@pytest.mark.usefixtures("no_sampling", "watch_alone")
-@pytest.mark.parametrize("reach", list(KINDS))
-def test_the_watch_of_code_that_names_generators_alone_replays_each_reach(reach: str) -> None:
-    """With nothing stashed when a region starts, the watch of every first forward of a
-    region whose code names generators (each block's does; a function region's through
-    the modules it closes over) stashes each at its first use."""
-    plain = _train_gated(reach, checkpointed=False)
-    checkpointed = _train_gated(reach, checkpointed=True)
-    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
-
-
-@pytest.mark.parametrize("sampling", [True, False], ids=["sampled", "unverified"])
-def test_a_generator_put_where_none_was_is_replayed_by_the_watch_of_its_code(
-    sampling: bool,
-) -> None:
-    """A generator a helper makes, kept in an attribute the block did not have when its
-    subtree was listed: no place holds it, but the block's code names it, so every
-    first forward is watched and stashes it at its first use."""
-    previous = scopedckpt.set_verification_sampling(64 if sampling else 0)
+@contextlib.contextmanager
+def _global_hook() -> Iterator[None]:
+    handle = torch.nn.modules.module.register_module_forward_hook(GLOBAL_HOOK)
     try:
-        plain = _train_gated("made elsewhere", False)
-        checkpointed = _train_gated("made elsewhere", True)
+        yield
     finally:
-        scopedckpt.set_verification_sampling(previous)
-    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+        handle.remove()
 
 
-def test_names_generators_reads_keywords_parameters_attributes_and_the_class() -> None:
-    from scopedckpt._reach import names_generators
-
-    def keyword(x: torch.Tensor, rng: torch.Generator) -> torch.Tensor:
-        return x + torch.randn(x.shape, generator=rng)
-
-    def parameter(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        return torch.nn.init.uniform_(x, 0.0, 1.0, generator)  # passed on positionally
-
-    def attribute(module: nn.Module) -> object:
-        return module.generator
-
-    def maker() -> object:
-        return torch.Generator()
-
-    def plain(x: torch.Tensor, rng: object) -> torch.Tensor:
-        return torch.randn(x.shape) + x.sum(dim=0, keepdim=True)
-
-    for names in (keyword, parameter, attribute, maker):
-        assert names_generators(names.__code__), names.__name__
-    assert not names_generators(plain.__code__)
+# Where a generator first used on a call that is not verified (a warm-up switch) is held
+# by one of NOTE [ explicit generators ]'s four kinds: replayed. Anywhere else: refused.
+REPLAYED = ("attribute", "list", "dict", *GIVEN)
+# A hook adding noise to the block's output draws after the region's last saved tensor:
+# torch's early stop ends the recompute before the hook, so it never draws again.
+UNSEEN = ("hook", "global hook")
+REFUSED = tuple(reach for reach in KINDS if reach not in (*REPLAYED, *UNSEEN))
 
 
-@pytest.mark.usefixtures("places_alone")
-def test_a_generator_put_where_none_was_is_named_by_the_light_check_on_its_first_use() -> None:
-    """The limit of places alone (NOTE [ generator places ]): a generator a helper makes,
-    kept in an attribute the block did not have when its subtree was listed, is not
-    looked for, so without the watch of code that names it its first use on an
-    unverified call is not replayed; the light check (NOTE [ light check ]) names the
-    region on that call."""
-    with pytest.raises(RecomputeDivergenceError, match="MadeElsewhere"):
-        _train_gated("made elsewhere", True)
+def _same(plain: list[torch.Tensor], checkpointed: list[torch.Tensor]) -> bool:
+    return len(plain) == len(checkpointed) and all(
+        torch.equal(a, b) for a, b in zip(plain, checkpointed)
+    )
 
 
-@pytest.mark.usefixtures("places_alone")
-@pytest.mark.parametrize("called", [False, True], ids=["target", "called"])
-def test_a_generator_found_by_a_verified_call_is_replayed_at_the_sites_later_calls(
-    called: bool,
+@pytest.mark.parametrize("reach", REPLAYED)
+def test_a_held_or_given_generator_switched_on_later_is_replayed(reach: str) -> None:
+    """First used on the second step, which is not verified: stashed when each region
+    starts, so replayed from its first use; gradients and its state after every step."""
+    assert _same(_train_gated(reach, False), _train_gated(reach, True))
+
+
+@pytest.mark.parametrize("reach", UNSEEN)
+def test_a_generator_drawn_after_the_last_saved_tensor_is_not_drawn_again(reach: str) -> None:
+    assert _same(_train_gated(reach, False), _train_gated(reach, True))
+
+
+@pytest.mark.usefixtures("no_sampling")
+@pytest.mark.parametrize("reach", REPLAYED)
+def test_a_held_or_given_generator_is_replayed_without_verification(reach: str) -> None:
+    assert _same(_train_gated(reach, False), _train_gated(reach, True))
+
+
+@pytest.mark.parametrize("reach", REFUSED)
+def test_a_generator_held_elsewhere_switched_on_later_is_refused(reach: str) -> None:
+    """A global, a plain object's, a class attribute, a hook's closure, a partial held by
+    a module, one a forward makes on an unverified call, one the loop replaces: first used
+    on a call nothing watched, it is never replayed wrong silently: the light check names
+    the block on that call."""
+    with pytest.raises(scopedckpt.ScopedCkptError, match=KINDS[reach].__name__) as refused:
+        _train_gated(reach, True)
+    assert "generator" in str(refused.value)
+
+
+@pytest.mark.parametrize("reach", [r for r in KINDS if r != "remade"])
+def test_a_generator_used_from_the_first_call_is_replayed(reach: str) -> None:
+    """The site's first call is verified: its watch stashes each generator at its first
+    use and remembers it for the site, whose later calls stash it when they start."""
+    plain = _train_gated(reach, False, first_noisy=0)
+    assert _same(plain, _train_gated(reach, True, first_noisy=0))
+
+
+def test_a_called_block_is_a_site_of_its_own() -> None:
+    """checkpoint(block, x) rather than a region over the block's module target."""
+    plain = _train_gated("made elsewhere", False, first_noisy=0)
+    assert _same(plain, _train_gated("made elsewhere", True, first_noisy=0, called=True))
+
+
+def test_a_new_generator_at_every_step_is_refused() -> None:
+    """The loop puts a freshly seeded generator in the block at every step: the site's
+    verified first call saw another one, so the second step's recompute draws other
+    numbers from the new one, and the light check names the block."""
+    with pytest.raises(scopedckpt.ScopedCkptError, match="Remade"):
+        _train_gated("remade", True, first_noisy=0)
+
+
+@pytest.mark.parametrize("reach", ["global", "object", "helper", "class attribute"])
+def test_registering_a_generator_held_elsewhere_replays_it(reach: str) -> None:
+    """The fix the refusals name: checkpointing(generators=[g])."""
+    plain = _train_gated(reach, False)
+    assert _same(plain, _train_gated(reach, True, register=True))
+
+
+def test_the_watch_finds_a_generator_the_first_call_uses_and_remembers_it() -> None:
+    block = MadeElsewhere()
+    block.noisy = True
+    with scopedckpt.checkpointing(block):
+        block(torch.randn(3, 4)).sum().backward()
+    found = _sampling.known_site(block, None)
+    assert found is not None
+    assert [ref() for ref in found.generators] == [block.generator_now()]
+
+
+def test_the_scoped_layers_mask_generators_are_never_stashed() -> None:
+    """Their draws happen under a verified first forward's watch, but they are reseeded at
+    every use: remembering them would make every later region of the site stash them."""
+    model = scopedckpt.convert(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 4)))
+    x = torch.randn(8, 4)
+    for _ in range(2):
+        with scopedckpt.checkpointing(model):
+            model(x).sum().backward()
+    assert all(not site.generators for site in _sampling._Sampling.sites.values())
+
+
+@pytest.mark.parametrize("reach", ["attribute", "list"])
+def test_a_generator_reassigned_after_listing_is_the_one_stashed(reach: str) -> None:
+    """Attributes are followed at every region, not remembered: a new generator object
+    put where the old one was and first used on an unverified call is replayed."""
+    block = KINDS[reach]()
+    x = torch.randn(3, 4)
+    with scopedckpt.checkpointing(block):
+        block(x).sum().backward()  # listed, with the old generator
+    new = torch.Generator().manual_seed(3)
+    if reach == "attribute":
+        block.generator = new
+    else:
+        block.generators[0] = new
+    block.noisy = True
+    with scopedckpt.checkpointing(block):
+        y = block(x)
+    after = new.get_state()
+    y.sum().backward()  # the recompute draws from new again, then puts its state back
+    assert torch.equal(new.get_state(), after)
+
+
+def test_attribute_places_are_found_in_lists_and_dicts_and_held_weakly() -> None:
+    block = Keyed()
+    block.plain = [1, torch.Generator()]
+    block.other = (1, 2)
+    places = attribute_places([block])
+    assert sorted(name for _, name in places) == ["generators", "plain"]
+    gone = weakref.ref(block)
+    del block
+    gc.collect()
+    assert gone() is None and places[0][0]() is None
+
+
+class DrawsFromAGlobal(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn(x.shape, generator=_NOISE[0])
+        return torch.tanh(self.linear(x + noise))
+
+
+_NOISE: list[torch.Generator] = []
+
+
+def _train_registered(checkpointed: bool) -> list[torch.Tensor]:
+    _NOISE[:] = [torch.Generator().manual_seed(5)]
+    torch.manual_seed(0)
+    model = nn.Sequential(DrawsFromAGlobal(), nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(3, 4)
+    for _ in range(6):
+        scope = (
+            scopedckpt.checkpointing(model[0], generators=_NOISE) if checkpointed else nullcontext()
+        )
+        with scope:
+            loss = model(x).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return [*(p.detach().clone() for p in model.parameters()), _NOISE[0].get_state()]
+
+
+def test_a_registered_generator_is_replayed_without_the_watch(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """One the region cannot reach without running, used at every call: the first call
-    (verified) finds it, the later ones (not verified) stash it; a region that calls the
-    block itself as well as one over its module target."""
-    plain = _train_gated("made elsewhere", checkpointed=False, first_noisy=0)
-    checkpointed = _train_gated("made elsewhere", checkpointed=True, first_noisy=0, called=called)
-    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+    """checkpointing(generators=[g]): each region stashes g and its recomputes replay it,
+    with the watch of verified calls seeing nothing."""
+    monkeypatch.setattr(_generators.Watch, "_found", lambda self, stash, generator: None)
+    assert _same(_train_registered(False), _train_registered(True))
 
 
 @pytest.fixture
@@ -530,17 +599,6 @@ def every_second_call() -> Iterator[None]:
     previous = scopedckpt.set_verification_sampling(2)
     yield
     scopedckpt.set_verification_sampling(previous)
-
-
-@pytest.mark.usefixtures("places_alone", "every_second_call")
-def test_a_generator_first_used_unwatched_is_refused_on_that_call() -> None:
-    """First used on the second call, which nothing watched (its recompute drew other
-    numbers): the light check (NOTE [ light check ]) refuses it there, named, before the
-    site's next sampled call could."""
-    assert not _sampling.sampled(1, 2)  # the second call is not verified
-    with pytest.raises(RecomputeDivergenceError) as raised:
-        _train_gated("made elsewhere", checkpointed=True, first_noisy=1)
-    assert "MadeElsewhere" in str(raised.value)
 
 
 class AddsNoiseLast(MadeElsewhere):
@@ -553,9 +611,9 @@ class AddsNoiseLast(MadeElsewhere):
         return y + 0.1 * self.draw(x.shape) if self.noisy else y
 
 
-@pytest.mark.usefixtures("places_alone", "every_second_call")
+@pytest.mark.usefixtures("every_second_call")
 def test_unwatched_draws_no_saved_tensor_shows_are_refused_at_the_next_sampled_call() -> None:
-    """NOTE [ watched sites ]: first used on the second call, unwatched, where nothing
+    """NOTE [ explicit generators ]: first used on the second call, unwatched, where nothing
     saved depends on it (so the light check passes, but the recompute drew again and the
     generator ran ahead); the third call, verified, finds it drawn since it was seeded and
     refuses the region, named, with the fix."""
@@ -573,195 +631,17 @@ def test_unwatched_draws_no_saved_tensor_shows_are_refused_at_the_next_sampled_c
     assert "has drawn since it was seeded" in str(raised.value)
 
 
-@pytest.mark.usefixtures("places_alone", "every_second_call")
+@pytest.mark.usefixtures("every_second_call")
 def test_a_generator_made_for_a_sampled_call_is_replayed_from_then_on_with_a_warning() -> None:
     """First used on the third call (verified), freshly seeded: made for it, or reseeded
-    for it after drawing on the unwatched calls before; it is stashed, the site's later
-    calls are watched, and the warning says what may have gone before."""
+    for it after drawing on the unwatched calls before; it is stashed, the site remembers
+    it, and the warning says what may have gone before."""
     plain = _train_gated("made elsewhere", checkpointed=False, steps=6, first_noisy=2)
     with pytest.warns(UserWarning, match="freshly seeded") as warned:
         checkpointed = _train_gated("made elsewhere", checkpointed=True, steps=6, first_noisy=2)
-    assert len(warned) == 1  # the site is watched from then on
+    assert len(warned) == 1  # remembered for the site from then on
     assert "MadeElsewhere" in str(warned[0].message)
     assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
-
-
-@pytest.mark.usefixtures("places_alone", "every_second_call")
-def test_a_generator_reseeded_after_unwatched_draws_is_refused_on_that_call() -> None:
-    """The training loop puts a freshly seeded generator in place at every step; the second
-    call (unwatched) draws from one, and its recompute draws other numbers: the light
-    check refuses the step, where the third (verified) call could only have warned."""
-    with pytest.raises(RecomputeDivergenceError, match="Remade"):
-        _train_gated("remade", checkpointed=True, steps=3, first_noisy=1)
-
-
-@pytest.mark.usefixtures("places_alone")
-def test_a_new_generator_where_a_sites_first_was_is_replayed_at_its_first_use() -> None:
-    """NOTE [ watched sites ]: the first call (verified) finds the block's generator; the
-    training loop puts a new one in its place at every step, which no listing holds and
-    no verified call sees: the site's first forwards are watched from then on."""
-    plain = _train_gated("remade", checkpointed=False, steps=5, first_noisy=0)
-    checkpointed = _train_gated("remade", checkpointed=True, steps=5, first_noisy=0)
-    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
-
-
-@contextlib.contextmanager
-def _global_hook() -> Iterator[None]:
-    handle = torch.nn.modules.module.register_module_forward_hook(GLOBAL_HOOK)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-def _module_call(module: nn.Module, *args: object) -> RegionCall:
-    return RegionCall(
-        module, module, DEFAULT_SCOPE, args, {}, True, None, "default", module, module
-    )
-
-
-@pytest.mark.parametrize("reach", [r for r in REACHES if r not in (*GIVEN, "late", "lazy")])
-def test_a_region_reaches_its_blocks_generator_and_no_other(reach: str) -> None:
-    block = KINDS[reach]()
-    with _global_hook() if reach == "global hook" else contextlib.nullcontext():
-        assert _generators.reachable(_module_call(block)) == [block.generator_now()]
-
-
-@pytest.mark.parametrize("reach", ["late", "lazy"])
-def test_a_generator_a_forward_makes_is_found_where_it_keeps_it(reach: str) -> None:
-    """A block whose code names Generator: its None attributes and empty lists are
-    places, empty until its forward makes the generator."""
-    block = KINDS[reach]()
-    assert _generators.reachable(_module_call(block)) == []
-    block.noisy = True
-    block(torch.randn(3, 4))
-    assert _generators.reachable(_module_call(block)) == [block.generator_now()]
-
-
-def _function_call(fn: object) -> RegionCall:
-    return RegionCall(None, fn, DEFAULT_SCOPE, (), {}, True, None, "default", None, fn)
-
-
-def test_a_function_region_reaches_the_globals_it_reads_and_the_modules_it_closes_over() -> None:
-    def reads_a_global(t: torch.Tensor) -> torch.Tensor:
-        return t + torch.randn(t.shape, generator=GLOBAL_GENERATOR)
-
-    def calls_a_helper(t: torch.Tensor) -> torch.Tensor:
-        return t + _helper_draw(t.shape)
-
-    def reads_a_helper_module(t: torch.Tensor) -> torch.Tensor:
-        return t + torch.randn(t.shape, generator=NOISE.GENERATOR)
-
-    block = Attribute()
-    over_a_module = lambda t: block(t)  # noqa: E731
-    assert _generators.reachable(_function_call(reads_a_global)) == [GLOBAL_GENERATOR]
-    assert _generators.reachable(_function_call(calls_a_helper)) == [HELPER_GENERATOR]
-    assert _generators.reachable(_function_call(reads_a_helper_module)) == [NOISE.GENERATOR]
-    assert _generators.reachable(_function_call(over_a_module)) == [block.generator]
-    partial = functools.partial(Attribute.forward, block)
-    assert _generators.reachable(_function_call(partial)) == [block.generator]
-    listed = [torch.Generator()]
-    assert (
-        _generators.reachable(
-            _function_call(
-                lambda t: t,
-            )
-        )
-        == []
-    )
-    call = RegionCall(
-        None,
-        reads_a_global,
-        DEFAULT_SCOPE,
-        (listed,),
-        {},
-        True,
-        None,
-        "default",
-        None,
-        reads_a_global,
-    )
-    assert _generators.reachable(call) == [listed[0], GLOBAL_GENERATOR]
-
-
-def test_a_region_reaches_the_globals_its_submodules_forwards_read() -> None:
-    outer = nn.Sequential(Global())
-    assert _generators.reachable(_module_call(outer)) == [GLOBAL_GENERATOR]
-
-
-def test_reachable_finds_each_generator_once_and_never_a_default_one() -> None:
-    block = Attribute()
-    mine = block.generator
-    call = RegionCall(
-        block,
-        block,
-        DEFAULT_SCOPE,
-        (mine, torch.default_generator),
-        {"g": mine},
-        True,
-        None,
-        "default",
-        block,
-        block,
-    )
-    assert _generators.reachable(call) == [mine]
-
-
-@pytest.mark.usefixtures("no_sampling")
-@pytest.mark.parametrize("reach", ["attribute", "list"])
-def test_a_generator_reassigned_after_listing_is_the_one_stashed(reach: str) -> None:
-    """Places are followed at every region, not remembered: a new generator object
-    under the same name, or at the same index, is the one replayed."""
-    torch.manual_seed(0)
-    block = KINDS[reach]()
-    head = nn.Linear(4, 1)
-    x = torch.randn(3, 4)
-    with scopedckpt.checkpointing(block):
-        head(block(x)).sum().backward()
-    if reach == "attribute":
-        block.generator = torch.Generator().manual_seed(7)
-    else:
-        block.generators[0] = torch.Generator().manual_seed(7)
-    block.noisy = True
-    for _ in range(3):
-        with scopedckpt.checkpointing(block):
-            head(block(x)).sum().backward()
-    # the generator advanced once per step, as in plain training from the same state
-    reference = torch.Generator().manual_seed(7)
-    for _ in range(3):
-        torch.randn((3, 4), generator=reference)
-    assert torch.equal(block.generator_now().get_state(), reference.get_state())
-
-
-def _noise(block: Gated, generator: torch.Generator) -> Callable[[torch.Size], torch.Tensor]:
-    return lambda shape: torch.randn(shape, generator=generator) * block.noisy
-
-
-def test_a_listing_holds_the_places_it_searched_weakly() -> None:
-    """A subtree's generator places start from its modules, classes and functions held
-    weakly: a block that holds a generator (in a closure it keeps, too) goes when dropped."""
-    block = Held()
-    generator = torch.Generator()
-    block.noise = _noise(block, generator)  # a closure over the block and a generator
-    assert _generators.reachable(_module_call(block)) == [block.sampler.generator, generator]
-    gone = weakref.ref(block)
-    del block
-    gc.collect()
-    assert gone() is None
-
-
-def test_a_generator_found_once_is_stashed_by_the_sites_later_calls() -> None:
-    """One the region cannot reach without running (made in the forward) is found by the
-    verified first call's watch and remembered for the site."""
-    block = MadeElsewhere()
-    block.noisy = True
-    x = torch.randn(3, 4)
-    with scopedckpt.checkpointing(block):
-        block(x).sum().backward()
-    found = _sampling.known_site(block, None)
-    assert found is not None
-    (ref,) = found.generators
-    assert ref() is block.generator_now()
 
 
 class Shared(nn.Module):
@@ -810,68 +690,6 @@ def test_a_generator_a_scoped_layer_shares_with_an_unscoped_op_is_replayed(
     assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
 
 
-def test_the_scoped_layers_mask_generators_are_never_stashed() -> None:
-    """Their draws happen under a verified first forward's watch, but they are reseeded at
-    every use: remembering them would make every later region of the site stash them."""
-    model = scopedckpt.convert(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 4)))
-    x = torch.randn(8, 4)
-    for _ in range(2):
-        with scopedckpt.checkpointing(model):
-            model(x).sum().backward()
-    assert not _watch.Sites.any_found
-
-
-def test_the_code_of_other_libraries_is_not_followed() -> None:
-    """torch's, the standard library's and installed packages' code is large and holds no
-    user generator (NOTE [ generator places ]): a search follows only the rest."""
-    from scopedckpt import _reach
-
-    assert _reach.foreign(nn.Linear) and _reach.foreign(functools.reduce)
-    assert _reach.foreign(pytest.raises)  # an installed package
-    assert not _reach.foreign(Attribute) and not _reach.foreign(_helper_draw)
-    assert not _reach.foreign(NOISE)
-
-
-def test_a_search_through_deep_code_stays_within_the_stack() -> None:
-    """Helpers calling helpers 3,000 deep, the last reading a generator: the search stops
-    following code before Python's recursion limit (and so misses that one)."""
-    from scopedckpt import _reach
-
-    namespace: dict[str, object] = {"__name__": "chain", "G": torch.Generator()}
-    source = "".join(f"def f{i}(x):\n    return f{i + 1}(x)\n" for i in range(3000))
-    exec(compile(source + "def f3000(x):\n    return G\n", "<chain>", "exec"), namespace)
-    block = Attribute()
-    block.first = namespace["f0"]
-    places, _ = _reach.subtree_places([block])
-    assert places == ((weakref.ref(block), ((0, "generator"),)),)
-
-
-class Awkward:
-    """An object whose every attribute lookup fails, and a dict that raises on ``items()``:
-    a search looks into them, and a region follows places through them, without running
-    either."""
-
-    def __init__(self, generator: torch.Generator) -> None:
-        self.generator = generator
-
-    def __getattribute__(self, name: str) -> object:
-        raise AttributeError(name)
-
-
-class AwkwardDict(dict):  # type: ignore[type-arg]
-    def items(self):  # type: ignore[no-untyped-def,override]
-        raise RuntimeError("items")
-
-
-def test_a_search_runs_no_code_of_the_objects_it_looks_into() -> None:
-    block = Attribute()
-    held = torch.Generator()
-    block.awkward = Awkward(held)
-    block.by_name = AwkwardDict(noise=torch.Generator())
-    found = _generators.reachable(_module_call(block))
-    assert found == [block.generator, held, block.by_name["noise"]]
-
-
 class Outer(nn.Module):
     """A region around a Lazy block and a draw of its own from the block's generator,
     after the block's (nested regions: ``nested``)."""
@@ -896,8 +714,8 @@ def _train_made_in_forward(checkpointed: bool, nested: bool) -> list[torch.Tenso
     x = torch.randn(3, 4)
     seen: list[torch.Tensor] = []
     made: torch.Generator | None = None
-    for step in range(4):
-        model.block.noisy = step >= 1
+    for _ in range(4):
+        model.block.noisy = True
         targets = (model, model.block) if nested else (model,)
         with scopedckpt.checkpointing(*targets, enabled=checkpointed):
             loss = model(x).sum()
@@ -913,12 +731,12 @@ def _train_made_in_forward(checkpointed: bool, nested: bool) -> list[torch.Tenso
     return seen
 
 
-@pytest.mark.usefixtures("no_sampling")
 @pytest.mark.parametrize("nested", [False, True], ids=["one region", "nested"])
 def test_a_generator_a_forward_makes_is_made_again_by_every_recompute(nested: bool) -> None:
-    """A recompute empties the slot its first forward filled, so the forward makes the
-    generator again and draws what the first forward drew; then the first forward's
-    generator goes back (NOTE [ generator places ])."""
+    """The first step's recompute runs in the forward's world, where the attribute holds
+    None: the forward makes the generator again and draws what the first forward drew,
+    then the first forward's generator goes back (NOTE [ forward's world ]); later steps
+    stash it, as the first step's watch found it (NOTE [ explicit generators ])."""
     plain = _train_made_in_forward(False, nested)
     checkpointed = _train_made_in_forward(True, nested)
     assert len(plain) == len(checkpointed)

@@ -52,24 +52,19 @@ def test_mismatch_names_the_first_differing_tensor() -> None:
         assert_checkpoint_equivalent(model, torch.randn(5, 4))
 
 
-_MAKE = torch.Generator  # an alias: PrivateNoise's code names no generator
-
-
 class PrivateNoise(nn.Module):
-    """Unscoped randomness from its own generator, made at its first forward and handed
-    to ``torch.nn.init`` positionally: no region can reach it before it runs (NOTE
-    [ generator places ]), its list is no slot (NOTE [ generator slots ]) and its code
-    names no generator, so its first forwards are not watched (NOTE [ watched code ]),
-    and the testing helper verifies nothing unless asked: nothing replays it.
-    ``reachable``: the list holds it from the start."""
+    """Unscoped randomness from its own generator, made at its first forward and kept in a
+    list: no region holds it when it starts, and the testing helper verifies nothing
+    unless asked, so no watch finds it (NOTE [ explicit generators ]): nothing replays
+    it. ``reachable``: the list holds it from the start."""
 
     def __init__(self, reachable: bool = False) -> None:
         super().__init__()
-        self.streams = [_MAKE().manual_seed(0)] if reachable else []
+        self.streams = [torch.Generator().manual_seed(0)] if reachable else []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.streams:
-            self.streams.append(_MAKE().manual_seed(0))
+            self.streams.append(torch.Generator().manual_seed(0))
         noise = torch.nn.init.uniform_(torch.empty(x.shape), 0.0, 1.0, self.streams[0])
         return x * (noise < 0.5)
 

@@ -446,52 +446,6 @@ def test_a_converted_model_runs_under_vmap_with_different_randomness() -> None:
     assert torch.equal(outputs[0], outputs[1])
 
 
-_NOISE: list[torch.Generator] = []  # where the block finds its generator
-
-
-class DrawsFromARegistered(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        noise = torch.randn(x.shape, generator=_NOISE[0])
-        return torch.tanh(self.linear(x + noise))
-
-
-def _train_registered(checkpointed: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
-    _NOISE[:] = [torch.Generator().manual_seed(5)]
-    torch.manual_seed(0)
-    model = nn.Sequential(DrawsFromARegistered(), nn.Linear(4, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    x = torch.randn(3, 4)
-    for _ in range(STEPS):
-        scope = (
-            scopedckpt.checkpointing(model[0], generators=_NOISE) if checkpointed else nullcontext()
-        )
-        with scope:
-            loss = model(x).square().mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return _parameters(model), _NOISE[0].get_state()
-
-
-@pytest.mark.usefixtures("every_64")
-def test_a_registered_generator_is_replayed_by_the_world(monkeypatch: pytest.MonkeyPatch) -> None:
-    """checkpointing(generators=[g]): each region stashes g and its recomputes replay it,
-    without the search for generators (taken out here)."""
-    from scopedckpt import _generators, _mechanisms
-
-    monkeypatch.setattr(
-        _mechanisms, "MECHANISMS", tuple(m for m in _mechanisms.MECHANISMS if m is not _generators)
-    )
-    plain = _train_registered(False)
-    checkpointed = _train_registered(True)
-    assert _equal(checkpointed[0], plain[0])
-    assert torch.equal(checkpointed[1], plain[1])
-
-
 def test_registered_generators_are_validated() -> None:
     with pytest.raises(TypeError, match=r"item #1 is an int\.$"):
         scopedckpt.checkpointing(generators=[torch.Generator(), 3])  # type: ignore[list-item]

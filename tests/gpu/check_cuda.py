@@ -387,9 +387,9 @@ def made_by_a_helper():
 
 
 def refused_only_after_drawing():
-    """NOTE [ watched sites ]: a generator on the device reads as freshly seeded until it
+    """NOTE [ explicit generators ]: a generator on the device reads as freshly seeded until it
     draws, so only one that drew before a sampled call finds it is refused."""
-    from scopedckpt._watch import _seeded_only
+    from scopedckpt._generators import _seeded_only
 
     g = torch.Generator(device=dev).manual_seed(5)
     assert _seeded_only(g, g.get_state())
