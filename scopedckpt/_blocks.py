@@ -9,6 +9,7 @@ from torch import nn
 
 from ._errors import ScopedCkptError
 from ._names import article
+from ._scope import resolve_targets
 
 __all__ = ["candidates", "find_blocks"]
 
@@ -63,8 +64,6 @@ def candidates(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]]:
     else every module the targets select in ``model``, which must hold them all."""
     if blocks is None:
         return find_blocks(model)
-    from ._scope import resolve_targets
-
     targets = blocks if isinstance(blocks, (list, tuple)) else (blocks,)
     modules, classes, _ = resolve_targets(tuple(targets), model)
     names = {id(m): name for name, m in model.named_modules()}

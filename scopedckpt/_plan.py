@@ -91,6 +91,12 @@ class Plan:
             chosen.append((block.module, None if block.choice == "full" else PRESETS[block.choice]))
         return chosen
 
+    def __checkpoint_regions__(
+        self,
+    ) -> tuple[nn.Module | None, list[tuple[nn.Module, tuple[Any, ...] | None]]]:
+        """What ``checkpointing(plan)`` reads: the model, and :attr:`regions`."""
+        return self.model, self.regions
+
     @property
     def overhead(self) -> float:
         """Predicted step time under the plan over the step without checkpointing."""

@@ -56,6 +56,7 @@ from ._live import OUTSIDE, LiveBytes, storages
 from ._policy import SavePolicy, as_policy
 from ._report import memory_report
 from ._sampling import suspended
+from ._scope import checkpointing
 from ._step_times import region_costs, synchronize
 from ._untouched import Untouched
 
@@ -269,8 +270,6 @@ def profile_step(
     """Run two counted steps of ``model``, one without checkpointing and one with every
     block a full region, leaving no trace (NOTE [ leaving no trace ]), and return what
     the planner needs (NOTE [ peak model ], NOTE [ timing regions ])."""
-    from ._scope import checkpointing  # the scope module imports the planner's
-
     began = time.perf_counter()
     inputs = tuple(_tensors((args, kwargs)))
 

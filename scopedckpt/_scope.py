@@ -17,7 +17,6 @@ from ._errors import ScopedCkptError
 from ._names import article
 from ._options import DETERMINISM_CHECKS
 from ._paths import EAGER, enter_block, exit_block, where
-from ._plan import Plan
 from ._policy import SavePolicy, as_policy
 from ._state import SCOPE, Scope
 
@@ -26,7 +25,28 @@ __all__ = ["checkpointing"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 Predicate = Callable[[str, nn.Module], bool]
-Target = nn.Module | type | Predicate | Plan
+# Regions as a plan says them: each block with its save= items (None: a full region).
+Regions = list[tuple[nn.Module, "tuple[Any, ...] | None"]]
+# A module, a module class, a predicate, or an object that says its regions: one whose class
+# has __checkpoint_regions__() -> (its model or None, Regions), as scopedckpt.Plan does (the
+# planner depends on this module, not this module on the planner).
+Target = nn.Module | type | Predicate | Any
+
+
+def said_regions(target: object) -> tuple[nn.Module | None, Regions] | None:
+    """The model and regions ``target`` says, where its class has ``__checkpoint_regions__``.
+
+    Example
+    -------
+    >>> class Two:
+    ...     def __checkpoint_regions__(self):
+    ...         return None, [(nn.Linear(2, 2), None)]
+    >>> said_regions(Two())[1][0][1] is None, said_regions(nn.Linear(2, 2))
+    (True, None)
+    """
+    say = getattr(type(target), "__checkpoint_regions__", None)
+    return None if say is None else say(target)
+
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
@@ -168,7 +188,8 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         self._modules, self._classes, self._saves = resolve_targets(targets, root)
         self._containers = tuple(t for t in targets if isinstance(t, _CONTAINERS))
         if root is None:
-            self._root = next((t.model for t in targets if isinstance(t, Plan)), None)
+            models = (said[0] for t in targets if (said := said_regions(t)) is not None)
+            self._root = next(models, None)
         self._entries: list[tuple[contextvars.Token[Scope | None], _targets.Patches, Any]] = []
         self._traced: list[tuple[tuple[bool, Any], list[tuple[nn.Module, Any]]]] = []
 
@@ -299,8 +320,9 @@ def resolve_targets(
     classes: list[type] = []
     saves: dict[int, SavePolicy | None] = {}
     for index, target in enumerate(targets):
-        if isinstance(target, Plan):
-            for module, items in target.regions:
+        said = said_regions(target)
+        if said is not None:
+            for module, items in said[1]:
                 modules.append(module)
                 saves[id(module)] = None if items is None else as_policy(items)
         elif isinstance(target, _CONTAINERS):

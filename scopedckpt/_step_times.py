@@ -27,6 +27,7 @@ from . import policies
 from ._checkpoint import checkpoint
 from ._live import LiveBytes
 from ._sampling import suspended
+from ._scope import checkpointing
 
 __all__ = ["region_costs", "synchronize"]
 
@@ -50,8 +51,6 @@ def region_costs(device: torch.device, rounds: int = 5) -> tuple[float, float, f
     """Seconds a region adds to a step besides its recompute, seconds selective saving
     adds per op (both passes), and seconds the counting mode adds per op; timed on a
     small region on ``device``."""
-    from ._scope import checkpointing  # the scope module imports the planner's
-
     x = torch.ones(64, device=device, requires_grad=True)
 
     def forward() -> None:
