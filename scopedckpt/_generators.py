@@ -199,8 +199,10 @@ class Watch(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # first: dynamo traces both watches alike
+            return func(*args, **kwargs)
         stash = self.stash
-        if stash is None or torch.compiler.is_compiling():  # the same trace under either
+        if stash is None:
             return func(*args, **kwargs)
         generator = kwargs.get("generator")
         if generator is None:

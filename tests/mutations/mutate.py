@@ -786,6 +786,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "every region of a site with scoped dropout stashes and replays the mask generator",
     ),
     Mutant(
+        "generators_watch_reads_its_stash_while_compiling",
+        "scopedckpt/_generators.py",
+        "        if torch.compiler.is_compiling():  # first: dynamo traces both watches alike\n",
+        "        if self.stash is not None and torch.compiler.is_compiling():\n",
+        ("tests/test_compile.py",),
+        "compiled code in a verified eager region traces another graph in its recompute",
+    ),
+    Mutant(
         "generators_ignore_module_attributes",
         "scopedckpt/_subtree.py",
         "            if generators_in(value):\n",
