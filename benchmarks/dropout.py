@@ -6,7 +6,7 @@
   scoped layer, the plain ATen formulations it is built from (with no scopedckpt
   bookkeeping at all), and the kernels that draw the mask.
 * :func:`formulations`: the scoped layer's two formulations (NOTE [ two formulations ]
-  in ``scopedckpt/_mask.py``) against ``nn.Dropout`` by size: what
+  in ``scopedckpt/layers/_mask.py``) against ``nn.Dropout`` by size: what
   ``NATIVE_BELOW_ELEMENTS`` was chosen from.
 
 The last two are sections of ``breakdown.main``.

@@ -17,14 +17,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from scopedckpt import _dropout, _eager_checkpoint, _engine, _guard, _mask, _sampling
 from scopedckpt._demo import saved_activation_bytes
-from scopedckpt._live import LiveBytes
-from scopedckpt._options import RegionOptions
-from scopedckpt._plan import choose
-from scopedckpt._profile import profile_step
-from scopedckpt._solve import solve
-from scopedckpt._state import FRAME, Scope
+from scopedckpt.core import _eager_checkpoint, _engine, _sampling
+from scopedckpt.core._options import RegionOptions
+from scopedckpt.core._state import FRAME, Scope
+from scopedckpt.layers import _dropout, _mask
+from scopedckpt.mechanisms import _guard
+from scopedckpt.planner._live import LiveBytes
+from scopedckpt.planner._plan import choose
+from scopedckpt.planner._profile import profile_step
+from scopedckpt.planner._solve import solve
 
 __all__ = [
     "PIECES",
@@ -75,7 +77,7 @@ class GlobalHooksOff:
 
 class ForcedFormulation:
     """Scoped dropout on ``x`` runs as ATen ops (``native``) or as the
-    ``autograd.Function`` (NOTE [ two formulations ] in ``scopedckpt/_mask.py``).
+    ``autograd.Function`` (NOTE [ two formulations ] in ``scopedckpt/layers/_mask.py``).
 
     A class, not a generator: it is entered once per timed call.
     """

@@ -9,15 +9,15 @@ Each model of :mod:`benchmarks.models` at ``DEPTH`` blocks, converted
 (``scopedckpt.convert``), every block a region of
 ``with scopedckpt.checkpointing(model.blocks, determinism_check=...):``, in three
 variants on three instances built from the same seed: ``"default"`` (torch's shape
-check and the light check, NOTE [ light check ] in ``scopedckpt/_light.py``: one saved
+check and the light check, NOTE [ light check ] in ``scopedckpt/core/_light.py``: one saved
 tensor per call fingerprinted in the first forward and in the recompute),
 ``"unlit"`` (the same without the light check: its sites are told they have no tail)
-and ``"bitwise"`` (NOTE [ bitwise verification ] in ``scopedckpt/_verify.py``: every
+and ``"bitwise"`` (NOTE [ bitwise verification ] in ``scopedckpt/mechanisms/_verify.py``: every
 saved tensor fingerprinted in the first forward and compared after each recompute).
 One process, one torch thread; rounds interleaved in rotating order; each ratio is the
 median of per-round paired ratios with a distribution-free 95 % interval
 (:func:`benchmarks.timing.paired`). Memory: the peak of the planner's live-bytes
-counter (NOTE [ live bytes ] in ``scopedckpt/_live.py``) over a step, gradients made
+counter (NOTE [ live bytes ] in ``scopedckpt/planner/_live.py``) over a step, gradients made
 anew, for ``"default"`` and ``"bitwise"`` (under the counter's dispatch mode regions
 take torch's checkpoint, which verification serves as well); and the peak heap in use
 during a step (glibc ``mallinfo2`` sampled after every aten op,

@@ -24,12 +24,17 @@ with _warnings.catch_warnings():
     _warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch as _torch  # noqa: F401
 
-# _torch_private first: it refuses a torch older than the oldest tested.
-from . import _torch_private, functional, integrations, policies  # noqa: F401
-from ._checkpoint import checkpoint, checkpoint_sequential
-from ._convert import ConvertWarning, convert
-from ._errors import ScopedCkptError
-from ._layers import (
+# _torch_private refuses a torch older than the oldest tested, whichever import reaches it first.
+from . import functional, integrations, policies
+from .core import _torch_private  # noqa: F401
+from .core._checkpoint import checkpoint, checkpoint_sequential
+from .core._errors import ScopedCkptError
+from .core._replay import is_recomputing, phase, replay
+from .core._sampling import set_verification_sampling
+from .core._scope import checkpointing
+from .core._state import Phase
+from .layers._convert import ConvertWarning, convert
+from .layers._layers import (
     AlphaDropout,
     BatchNorm1d,
     BatchNorm2d,
@@ -40,13 +45,9 @@ from ._layers import (
     Dropout3d,
     FeatureAlphaDropout,
 )
-from ._module_state import Stateful
-from ._plan import Plan, plan
-from ._replay import is_recomputing, phase, replay
-from ._report import MemoryReport, memory_report
-from ._sampling import set_verification_sampling
-from ._scope import checkpointing
-from ._state import Phase
+from .mechanisms._module_state import Stateful
+from .mechanisms._report import MemoryReport, memory_report
+from .planner._plan import Plan, plan
 
 __version__ = "0.1.0"
 

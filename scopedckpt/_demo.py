@@ -10,9 +10,9 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor, nn
 
-from ._checkpoint import checkpoint
-from ._convert import convert
-from ._scope import checkpointing
+from .core._checkpoint import checkpoint
+from .core._scope import checkpointing
+from .layers._convert import convert
 
 __all__ = ["main", "saved_activation_bytes", "table"]
 

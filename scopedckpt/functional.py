@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dropout import (
+from .layers._dropout import (
     check_p,
     impl_alpha_dropout,
     impl_dropout,

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from ._selective import why_not_keepable
-from ._torch_private import OpOverload, OpOverloadPacket
+from .core._torch_private import OpOverload, OpOverloadPacket
+from .mechanisms._selective import why_not_keepable
 
 __all__ = ["keepable", "save_attention", "save_compute", "save_convolutions", "save_matmuls"]
 

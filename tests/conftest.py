@@ -37,8 +37,9 @@ def _no_scope_leaks():
     """Every test must leave no scope, frame, patch or global hook behind."""
     import torch.utils.checkpoint as torch_checkpoint
 
-    from scopedckpt import _guard, _patch, _report, _sampling, _targets
-    from scopedckpt._state import FRAME, SCOPE
+    from scopedckpt.core import _patch, _sampling, _targets
+    from scopedckpt.core._state import FRAME, SCOPE
+    from scopedckpt.mechanisms import _guard, _report
 
     # What scopedckpt remembers per site (_sampling.Site: sampled verification's counts,
     # late writes, the light check's tail, the world, the watch's generators), some sites

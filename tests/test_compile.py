@@ -18,9 +18,9 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import scopedckpt
-from scopedckpt import _guard
-from scopedckpt._module_state import guarded
-from scopedckpt._paths import MIRROR
+from scopedckpt.core._paths import MIRROR
+from scopedckpt.mechanisms import _guard
+from scopedckpt.mechanisms._module_state import guarded
 
 pytestmark = [
     pytest.mark.slow,

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint as bound_torch_checkpoint
 
 import scopedckpt
 from scopedckpt import Phase
-from scopedckpt._engine import COUNTERS
+from scopedckpt.core._engine import COUNTERS
 from scopedckpt.integrations import patch_torch_checkpoint
 
 
@@ -274,7 +274,7 @@ def test_reentrant_calls_are_refused_inside_the_patch_only() -> None:
 
 
 def test_the_patch_is_removed_on_exit_and_on_exceptions() -> None:
-    from scopedckpt._torch_private import PATH
+    from scopedckpt.core._torch_private import PATH
 
     names = {PATH.front, PATH.generator, PATH.reentrant, "checkpoint", "checkpoint_sequential"}
     originals = {n: getattr(tc, n) for n in names if n is not None}

@@ -16,7 +16,7 @@ import torch.utils.checkpoint as tc
 from torch import nn
 
 import scopedckpt
-from scopedckpt import _eager_checkpoint, _engine
+from scopedckpt.core import _eager_checkpoint, _engine
 
 NULL = contextlib.nullcontext()
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import scopedckpt
 from scopedckpt import Phase
-from scopedckpt._engine import COUNTERS
+from scopedckpt.core._engine import COUNTERS
 
 
 def _block() -> nn.Sequential:

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import scopedckpt
-from scopedckpt import _names
-from scopedckpt._light import RecomputeDivergenceError
+from scopedckpt.core import _names
+from scopedckpt.core._light import RecomputeDivergenceError
 
 from .test_guard import Placeholder
 from .test_written import ClampsAChildsWeight

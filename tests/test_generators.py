@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 import scopedckpt
-from scopedckpt import _generators, _sampling
-from scopedckpt._subtree import attribute_places
+from scopedckpt.core import _sampling
+from scopedckpt.core._subtree import attribute_places
+from scopedckpt.mechanisms import _generators
 
 
 class Noisy(nn.Module):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import scopedckpt
-from scopedckpt import _guard, _module_state
+from scopedckpt.mechanisms import _guard, _module_state
 from scopedckpt.testing import assert_checkpoint_equivalent
 
 

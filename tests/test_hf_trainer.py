@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from scopedckpt import ScopedCkptError
-from scopedckpt._engine import COUNTERS
+from scopedckpt.core._engine import COUNTERS
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 import scopedckpt
-from scopedckpt import _mask, _torch_private
 from scopedckpt import functional as SF
-from scopedckpt._engine import COUNTERS
+from scopedckpt.core import _torch_private
+from scopedckpt.core._engine import COUNTERS
+from scopedckpt.layers import _mask
 
 DROPOUTS = [
     (scopedckpt.Dropout, nn.Dropout, (64, 32)),
@@ -852,7 +853,7 @@ def test_a_recompute_of_channel_dropout_multiplies_by_the_kept_noise(
 ) -> None:
     """NOTE [ noise on the tape ]: small channel noise is built once, in the first
     forward; the recompute draws no mask and the gradients are plain training's."""
-    from scopedckpt import _mask
+    from scopedckpt.layers import _mask
 
     torch.manual_seed(0)
     block = scopedckpt.convert(

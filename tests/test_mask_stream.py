@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import scopedckpt
-from scopedckpt import _mask
+from scopedckpt.layers import _mask
 
 # Under STREAM_VERSION 2, seed 1234: sha256 of the keep-mask's bytes, first 16 hex digits.
 GOLDEN = {

@@ -13,8 +13,9 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import scopedckpt
-from scopedckpt import _engine, _guard, _mechanisms
-from scopedckpt._state import FRAME, SCOPE, Frame, Phase, RegionCall, Tape
+from scopedckpt.core import _engine, _mechanisms
+from scopedckpt.core._state import FRAME, SCOPE, Frame, Phase, RegionCall, Tape
+from scopedckpt.mechanisms import _guard
 
 
 class Recorder:

@@ -13,12 +13,12 @@ from torch import nn
 
 import scopedckpt
 from scopedckpt import ScopedCkptError
-from scopedckpt._blocks import find_blocks
-from scopedckpt._budget import parse_budget
-from scopedckpt._live import LiveBytes
-from scopedckpt._plan import Plan, PlannedBlock
-from scopedckpt._profile import Choice, default_loss, profile_step
-from scopedckpt._solve import peak_of, solve
+from scopedckpt.planner._blocks import find_blocks
+from scopedckpt.planner._budget import parse_budget
+from scopedckpt.planner._live import LiveBytes
+from scopedckpt.planner._plan import Plan, PlannedBlock
+from scopedckpt.planner._profile import Choice, default_loss, profile_step
+from scopedckpt.planner._solve import peak_of, solve
 from scopedckpt.testing import assert_checkpoint_equivalent
 
 from .strategies import Banked, BlockCase, BlockModel, InPlaceWeight, OwnGenerator, block_cases

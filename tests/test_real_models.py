@@ -213,7 +213,7 @@ def _hf_family(name: str, reference: bool = False) -> Built:
 )
 def test_huggingface_gradient_checkpointing_through_scopedckpt_is_exact(name: str) -> None:
     """One line routes Hugging Face's own checkpointing through scopedckpt regions."""
-    from scopedckpt._engine import COUNTERS
+    from scopedckpt.core._engine import COUNTERS
     from scopedckpt.integrations import huggingface
 
     plain, checkpointed = _hf_family(name, reference=True), _hf_family(name)
@@ -269,7 +269,7 @@ def _enable_library_checkpointing(model: nn.Module) -> None:
 )
 def test_library_checkpointing_under_patch_torch_checkpoint_is_exact(name: str) -> None:
     """timm's set_grad_checkpointing and Hugging Face's own switch, unchanged, made exact."""
-    from scopedckpt._engine import COUNTERS
+    from scopedckpt.core._engine import COUNTERS
     from scopedckpt.integrations import patch_torch_checkpoint
 
     plain, checkpointed = _hf_family(name, reference=True), _hf_family(name)

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 import scopedckpt
-from scopedckpt import Phase, _report
-from scopedckpt._state import FRAME
-from scopedckpt._torch_private import top_saved_tensors_hooks
+from scopedckpt import Phase
+from scopedckpt.core._state import FRAME
+from scopedckpt.core._torch_private import top_saved_tensors_hooks
+from scopedckpt.mechanisms import _report
 
 
 def _model() -> nn.Sequential:

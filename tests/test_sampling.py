@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 import scopedckpt
-from scopedckpt import _sampling, _verify
+from scopedckpt.core import _sampling
 from scopedckpt.integrations import patch_torch_checkpoint
+from scopedckpt.mechanisms import _verify
 
 from .test_verify import Counting
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import scopedckpt
-from scopedckpt._engine import COUNTERS
+from scopedckpt.core._engine import COUNTERS
 
 
 def _regions_made(fn) -> int:  # type: ignore[no-untyped-def]

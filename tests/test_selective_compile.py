@@ -70,7 +70,7 @@ def test_a_policy_first_built_inside_compiled_code_traces_in_one_graph(
     code is built outside the trace (NOTE [ policies built in compiled code ]). In one
     order of the suite dynamo failed on building it in the trace (weak references):
     after a module policy's compiled region."""
-    from scopedckpt import _policy
+    from scopedckpt.core import _policy
 
     key = tuple((type(item), item) for item in policies.save_compute)
     if key in _policy._INTERNED:  # interned by an earlier test: forget it

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import scopedckpt
-from scopedckpt._state import DEFAULT_SCOPE, Frame, Phase, Record, RegionCall, Scope, Tape
+from scopedckpt.core._state import DEFAULT_SCOPE, Frame, Phase, Record, RegionCall, Scope, Tape
 
 
 def _recompute_frame(*records: Record) -> Frame:

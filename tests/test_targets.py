@@ -13,7 +13,7 @@ from torch import nn
 
 import scopedckpt
 from scopedckpt import Phase
-from scopedckpt._engine import COUNTERS
+from scopedckpt.core._engine import COUNTERS
 from scopedckpt.testing import assert_checkpoint_equivalent
 from scopedckpt.testing import strategies as sst
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.utils.checkpoint as tc
 
-from scopedckpt import _strict, _torch_private
+from scopedckpt.core import _torch_private
+from scopedckpt.mechanisms import _strict
 
 
 def test_torch_dispatch_mode_still_sees_random_aten_ops_with_their_tag() -> None:

@@ -17,10 +17,10 @@ import torch.utils.checkpoint as tc
 from torch import nn
 
 import scopedckpt
-from scopedckpt import _patch, _torch_private, _torch_support
-from scopedckpt._engine import COUNTERS
-from scopedckpt._state import FRAME, SCOPE
-from scopedckpt._torch_private import PATH
+from scopedckpt.core import _patch, _torch_private, _torch_support
+from scopedckpt.core._engine import COUNTERS
+from scopedckpt.core._state import FRAME, SCOPE
+from scopedckpt.core._torch_private import PATH
 from scopedckpt.integrations import patch_torch_checkpoint
 
 SPLIT_ONLY = pytest.mark.skipif(not PATH.split, reason="torch <= 2.13 has one checkpoint front")

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import scopedckpt
-from scopedckpt import _verify
 from scopedckpt.integrations import patch_torch_checkpoint
+from scopedckpt.mechanisms import _verify
 from scopedckpt.testing import assert_checkpoint_equivalent
 
 from .strategies import Case, Region, cases
@@ -339,7 +339,7 @@ def test_functional_rrelu_recomputes_whole_from_the_first_step(how: str) -> None
         x.grad = None
         layer.zero_grad(set_to_none=True)
     assert _verify.COUNTERS.compared > before  # the first call was verified
-    from scopedckpt import _early_stop, _subtree
+    from scopedckpt.core import _early_stop, _subtree
 
     module = layer if how == "module" else None
     listing = None if module is None else _subtree.subtree(module)

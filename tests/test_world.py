@@ -16,8 +16,10 @@ from torch import nn
 from torch.func import functional_call
 
 import scopedckpt
-from scopedckpt import _live, _sampling, _transforms, _verify
-from scopedckpt._light import RecomputeDivergenceError
+from scopedckpt.core import _sampling, _transforms
+from scopedckpt.core._light import RecomputeDivergenceError
+from scopedckpt.mechanisms import _verify
+from scopedckpt.planner import _live
 
 STEPS = 6
 

@@ -184,7 +184,8 @@ def test_parameters_changed_in_place_are_replayed_in_checkpoint_calls_too(how: s
 def test_without_the_copies_a_renormalized_embedding_is_wrong() -> None:
     """Why the copies: the recompute renormalizes the renormalized rows again (which the
     light check, NOTE [ light check ], names where it reaches the region's tail)."""
-    from scopedckpt import _mechanisms, _written
+    from scopedckpt.core import _mechanisms
+    from scopedckpt.mechanisms import _written
 
     mechanisms = _mechanisms.MECHANISMS
     _mechanisms.MECHANISMS = tuple(m for m in mechanisms if m is not _written)
@@ -317,7 +318,8 @@ def test_the_recompute_swaps_copies_in_and_puts_the_real_buffers_back(
 
 def test_the_same_models_without_the_mechanism_are_silently_wrong() -> None:
     """Why the copies: without them the recompute reads the pushed bank (hole 4)."""
-    from scopedckpt import _mechanisms, _written
+    from scopedckpt.core import _mechanisms
+    from scopedckpt.mechanisms import _written
 
     plain = _train(_model(WithBank), None, steps=1)
     mechanisms = _mechanisms.MECHANISMS
@@ -404,7 +406,7 @@ def test_learned_writes_are_copied_and_untouched_buffers_are_not() -> None:
     # Both steps keep the guard's copies and a copy of the counter; Holder.extra's
     # constant is copied on the first step only, and not kept.
     assert rows[0] == rows[1]
-    from scopedckpt._subtree import subtree
+    from scopedckpt.core._subtree import subtree
 
     # Batch norm's kernel updates the running statistics without moving their versions:
     # only the counter shows (the guard keeps all three, at each call).
@@ -465,7 +467,7 @@ def test_a_listing_keeps_no_model_alive(owner: str) -> None:
     import gc
     import weakref
 
-    from scopedckpt import _subtree
+    from scopedckpt.core import _subtree
 
     model = _embedded()
     region = model[0] if owner == "block" else model[0][0]
@@ -496,7 +498,7 @@ def test_a_listing_made_during_a_recompute_names_no_swapped_copy() -> None:
 def test_a_buffer_assigned_under_its_own_name_keeps_the_listing() -> None:
     """``self.steps += 1`` registers the buffer again: no structural change, so the listing
     and what regions learned stay (they are rebuilt only when a name comes or goes)."""
-    from scopedckpt import _subtree
+    from scopedckpt.core import _subtree
 
     from .strategies import Counter
 

@@ -11,8 +11,8 @@ Nothing here imports a third-party library at import time.
 
 from __future__ import annotations
 
-from .._mechanisms import register_mechanism
-from .._patch import patch_torch_checkpoint
+from ..core._mechanisms import register_mechanism
+from ..core._patch import patch_torch_checkpoint
 from . import _hf_cache
 
 __all__ = ["patch_torch_checkpoint"]

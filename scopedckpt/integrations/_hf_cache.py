@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import ScopedCkptError
-from .._state import Frame, Phase, RegionCall, Tape, region_name
+from ..core._errors import ScopedCkptError
+from ..core._state import Frame, Phase, RegionCall, Tape, region_name
 
 __all__ = ["FRAME_PHASES", "enter_frame", "start_region"]
 

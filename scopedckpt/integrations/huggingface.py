@@ -50,12 +50,12 @@ from typing import Any
 
 from torch import nn
 
-from .._checkpoint import _DETERMINISM_CHECKS, reentrant_message
-from .._engine import layer_of, region_outside_dynamo
-from .._errors import ScopedCkptError
-from .._options import DEFAULT_OPTIONS, RegionOptions
-from .._state import DEFAULT_SCOPE, SCOPE
-from .._torch_private import PATH
+from ..core._checkpoint import _DETERMINISM_CHECKS, reentrant_message
+from ..core._engine import layer_of, region_outside_dynamo
+from ..core._errors import ScopedCkptError
+from ..core._options import DEFAULT_OPTIONS, RegionOptions
+from ..core._state import DEFAULT_SCOPE, SCOPE
+from ..core._torch_private import PATH
 
 __all__ = ["HONOURED_KWARGS", "gradient_checkpointing_enable"]
 

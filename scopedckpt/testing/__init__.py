@@ -19,10 +19,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from .._engine import COUNTERS
-from .._plan import Plan
-from .._sampling import suspended
-from .._scope import Target, checkpointing
+from ..core._engine import COUNTERS
+from ..core._sampling import suspended
+from ..core._scope import Target, checkpointing
+from ..planner._plan import Plan
 
 __all__ = ["assert_checkpoint_equivalent", "default_loss"]
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import scopedckpt
-from scopedckpt import _mask
+from scopedckpt.layers import _mask
 from scopedckpt.testing import assert_checkpoint_equivalent
 
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -389,7 +389,7 @@ def made_by_a_helper():
 def refused_only_after_drawing():
     """NOTE [ explicit generators ]: a generator on the device reads as freshly seeded until it
     draws, so only one that drew before a sampled call finds it is refused."""
-    from scopedckpt._generators import _seeded_only
+    from scopedckpt.mechanisms._generators import _seeded_only
 
     g = torch.Generator(device=dev).manual_seed(5)
     assert _seeded_only(g, g.get_state())

@@ -73,7 +73,7 @@ def _has(dotted: str) -> bool:
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "frame_take_ignores_owner",
-        "scopedckpt/_state.py",
+        "scopedckpt/core/_state.py",
         "if record.kind != kind or record.owner_id != owner_id:",
         "if record.kind != kind:",
         ("tests/test_state.py", "tests/test_engine.py"),
@@ -89,7 +89,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "default_seed_from_fresh_generator",
-        "scopedckpt/_dropout.py",
+        "scopedckpt/layers/_dropout.py",
         "return int(torch.randint(0, _SEED_HIGH, (), generator=generator, device=device))",
         "return int(torch.randint(0, _SEED_HIGH, (), "
         "generator=generator if generator is not None else torch.Generator(), device=device))",
@@ -98,7 +98,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "batch_norm_recompute_reads_current_mode",
-        "scopedckpt/_layers.py",
+        "scopedckpt/layers/_layers.py",
         'training, phase = tape_value("batch_norm", self, lambda: self.training)',
         '_, phase = tape_value("batch_norm", self, lambda: self.training)\n'
         "        training = self.training",
@@ -107,7 +107,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "channel_mask_per_sample",
-        "scopedckpt/_dropout.py",
+        "scopedckpt/layers/_dropout.py",
         "shape = tuple(input.shape[:2]) + (1,) * (input.dim() - 2) if feature else",
         "shape = (input.shape[0], 1) + (1,) * (input.dim() - 2) if feature else",
         ("tests/test_layers.py",),
@@ -115,7 +115,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "mask_generator_shared_by_threads",
-        "scopedckpt/_mask.py",
+        "scopedckpt/layers/_mask.py",
         "_GENERATORS = threading.local()",
         '_GENERATORS = type("_SharedByAllThreads", (), {})()',
         ("tests/test_layers.py", "tests/test_concurrency.py"),
@@ -123,7 +123,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "dropout_scale_off_by_1e-6",
-        "scopedckpt/_mask.py",
+        "scopedckpt/layers/_mask.py",
         "else self.scale(unit.dtype))",
         "else self.scale(unit.dtype) + 1e-6)",
         ("tests/test_layers.py",),
@@ -131,7 +131,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "dropout_scale_rounded_from_double",
-        "scopedckpt/_mask.py",
+        "scopedckpt/layers/_mask.py",
         "else self.scale(unit.dtype))",
         "else 1.0 / (1.0 - self.p))",
         ("tests/test_layers.py",),
@@ -139,7 +139,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "batch_norm_recompute_updates_running_stats",
-        "scopedckpt/_layers.py",
+        "scopedckpt/layers/_layers.py",
         "running_mean = running_mean.clone()\n"
         "                running_var = None if running_var is None else running_var.clone()",
         "running_mean = running_mean\n                running_var = running_var",
@@ -148,7 +148,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "region_call_reads_no_keyword_arguments",
-        "scopedckpt/_state.py",
+        "scopedckpt/core/_state.py",
         "        if self.kwargs:\n            for name, value in self.kwargs.items():",
         "        if False:\n            for name, value in self.kwargs.items():",
         ("tests/test_state.py", "tests/test_inputs.py"),
@@ -157,7 +157,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "recompute_decides_again",
-        "scopedckpt/_replay.py",
+        "scopedckpt/core/_replay.py",
         "return frame.take(kind, id(owner), owner).value, RECOMPUTE",
         "frame.take(kind, id(owner), owner)\n        return decide(), RECOMPUTE",
         ("tests/test_engine.py", "tests/test_layers.py"),
@@ -165,7 +165,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "nested_region_replays_a_fresh_tape",
-        "scopedckpt/_engine.py",
+        "scopedckpt/core/_engine.py",
         "tape = parent.take(_REGION, owner_id, label).value",
         "parent.take(_REGION, owner_id, label)\n        tape = Tape()",
         ("tests/test_engine.py", "tests/test_exactness.py"),
@@ -174,7 +174,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # The real-models mechanisms (NOTE [ RNG replay ], NOTE [ buffer guard ], the drop-in).
     Mutant(
         "rng_stash_not_applied",
-        "scopedckpt/_rng.py",
+        "scopedckpt/mechanisms/_rng.py",
         "    stashed.apply()",
         "    pass",
         ("tests/test_rng.py", "tests/test_exactness.py"),
@@ -182,7 +182,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "scoped_draw_not_realigned",
-        "scopedckpt/_dropout.py",
+        "scopedckpt/layers/_dropout.py",
         "        _redraw(seed, owner, None if from_default else generator)\n",
         "        pass\n",
         ("tests/test_rng.py",),
@@ -190,7 +190,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "guard_does_not_swap",
-        "scopedckpt/_module_state.py",
+        "scopedckpt/mechanisms/_module_state.py",
         "module_buffers(module)[name] = before.clone()",
         "pass",
         ("tests/test_guard.py", "tests/test_exactness.py"),
@@ -198,7 +198,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "guard_swaps_without_a_copy",
-        "scopedckpt/_module_state.py",
+        "scopedckpt/mechanisms/_module_state.py",
         "module_buffers(module)[name] = before.clone()",
         "module_buffers(module)[name] = before",
         ("tests/test_guard.py",),
@@ -206,7 +206,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "guard_records_live_buffers",
-        "scopedckpt/_module_state.py",
+        "scopedckpt/mechanisms/_module_state.py",
         "saved = [(n, b.clone()) for n, b in module_buffers(module).items() if b is not None]",
         "saved = [(n, b) for n, b in module_buffers(module).items() if b is not None]",
         ("tests/test_guard.py",),
@@ -214,7 +214,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "recompute_hooks_no_module",
-        "scopedckpt/_guard.py",
+        "scopedckpt/mechanisms/_guard.py",
         "frame.hooks = [h for m in modules.values() for h in _own_hooks(frame, m)]",
         "frame.hooks = []",
         ("tests/test_guard.py",),
@@ -222,7 +222,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "guard_caches_guarding_per_class",
-        "scopedckpt/_module_state.py",
+        "scopedckpt/mechanisms/_module_state.py",
         "    kind = entry[0] if entry is not None else _class_kind(type(module))\n",
         "    kind = entry[0] if entry is not None else _class_kind(type(module))\n"
         "    if kind is False:\n"
@@ -234,7 +234,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "guard_copies_lazy_placeholders",
-        "scopedckpt/_guard.py",
+        "scopedckpt/mechanisms/_guard.py",
         "            initialize_lazy(frame, module, args)",
         "            pass",
         ("tests/test_guard.py",),
@@ -242,7 +242,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "accelerator_cached_before_it_is_initialised",
-        "scopedckpt/_rng.py",
+        "scopedckpt/mechanisms/_rng.py",
         "    if is_initialized is None or not is_initialized():\n        return []",
         "    if is_initialized is None or not is_initialized():\n        _ACCESSES = []\n"
         "        return []",
@@ -252,7 +252,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "guard_keeps_the_recompute_state",
-        "scopedckpt/_module_state.py",
+        "scopedckpt/mechanisms/_module_state.py",
         "        module_buffers(entry.module)[name] = real",
         "        pass",
         ("tests/test_guard.py",),
@@ -260,7 +260,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "strict_ignores_dropout_p",
-        "scopedckpt/_strict.py",
+        "scopedckpt/mechanisms/_strict.py",
         "return not any(name in named and named[name] == value for name, value in _NO_DRAW.items())",
         "return True",
         ("tests/test_rng.py", "tests/test_torch_private.py"),
@@ -268,7 +268,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "patch_passes_through",
-        "scopedckpt/_patch.py",
+        "scopedckpt/core/_patch.py",
         "    return scope if scope.enabled else None",
         "    return None",
         ("tests/test_dropin.py",),
@@ -277,7 +277,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # The region mechanisms (NOTE [ region mechanisms ] in _mechanisms.py).
     Mutant(
         "mechanism_entry_not_undone_on_error",
-        "scopedckpt/_engine.py",
+        "scopedckpt/core/_engine.py",
         "                _undo(undos, (type(error), error, error.__traceback__))",
         "                pass",
         ("tests/test_mechanisms.py",),
@@ -285,7 +285,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "undo_stops_at_the_first_error",
-        "scopedckpt/_engine.py",
+        "scopedckpt/core/_engine.py",
         "        except BaseException as raised:\n            error = error or raised",
         "        except BaseException:\n            raise",
         ("tests/test_mechanisms.py",),
@@ -302,7 +302,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # The torch-version layer (NOTE [ torch versions ] in _torch_private.py).
     Mutant(
         "patch_not_proven_live",
-        "scopedckpt/_patch.py",
+        "scopedckpt/core/_patch.py",
         "                _prove_live(torch_checkpoint_fn)",
         "                pass",
         ("tests/test_torch_versions.py",),
@@ -310,7 +310,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "patch_misses_the_split_front",
-        "scopedckpt/_patch.py",
+        "scopedckpt/core/_patch.py",
         "        replacements[PATH.front] = _front",
         "        pass",
         ("tests/test_torch_versions.py", "tests/test_dropin.py"),
@@ -319,7 +319,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "debug_hook_left_swapped",
-        "scopedckpt/_torch_private.py",
+        "scopedckpt/core/_torch_private.py",
         "                setattr(torch_checkpoint, _DEBUG_NAME, _TORCH_DEBUG_CONTEXT.pop())",
         "                pass",
         ("tests/test_torch_versions.py",),
@@ -327,7 +327,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "user_context_fn_dropped",
-        "scopedckpt/_engine.py",
+        "scopedckpt/core/_engine.py",
         "    context_fn = options.caller_context_fn\n    if context_fn is None:",
         "    context_fn = options.caller_context_fn\n    if True:",
         ("tests/test_dropin.py",),
@@ -336,7 +336,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # The compiled path (NOTE [ torch.compile ] in _compiled.py).
     Mutant(
         "compiled_code_makes_no_regions",
-        "scopedckpt/_paths.py",
+        "scopedckpt/core/_paths.py",
         "        return Path.COMPILED if MIRROR.regions and torch.is_grad_enabled() else Path.PLAIN",
         "        return Path.PLAIN",
         ("tests/test_compile.py",),
@@ -344,7 +344,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "graph_break_fallback_enters_no_frames",
-        "scopedckpt/_compiled.py",
+        "scopedckpt/core/_compiled.py",
         "        return self._eager(args, kwargs)",
         "        return self.fn(*args, **kwargs)",
         ("tests/test_compile.py",),
@@ -352,7 +352,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "compiled_bn_ignores_eager_regions",
-        "scopedckpt/_layers.py",
+        "scopedckpt/layers/_layers.py",
         "        if here is GRAPH:\n            # torch's checkpoint operator",
         "        if True:\n            # torch's checkpoint operator",
         ("tests/test_compile.py",),
@@ -360,7 +360,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "scope_branch_reads_the_global_compiling_flag",
-        "scopedckpt/_paths.py",
+        "scopedckpt/core/_paths.py",
         "_compiling = torch.compiler.is_dynamo_compiling",
         "_compiling = torch.compiler.is_compiling",
         ("tests/test_compile.py",),
@@ -368,7 +368,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "compiled_dropout_leaves_the_graph",
-        "scopedckpt/_dropout.py",
+        "scopedckpt/layers/_dropout.py",
         "        if here is GRAPH and generator is None:",
         "        if False:",
         ("tests/test_compile.py",),
@@ -377,7 +377,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # Eager speed and the memory report.
     Mutant(
         "mask_kept_as_floats",
-        "scopedckpt/_mask.py",
+        "scopedckpt/layers/_mask.py",
         "        return keep.to(dtype), (keep if self.save_mask else None)",
         "        return keep.to(dtype), (keep.to(dtype) if self.save_mask else None)",
         ("tests/test_layers.py",),
@@ -385,7 +385,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "report_never_forgets_a_freed_storage",
-        "scopedckpt/_report.py",
+        "scopedckpt/mechanisms/_report.py",
         "    seen[key] = weakref.ref(storage, functools.partial(_forget, seen, key))",
         "    seen[key] = None",
         ("tests/test_report.py",),
@@ -393,7 +393,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "report_counts_weights",
-        "scopedckpt/_report.py",
+        "scopedckpt/mechanisms/_report.py",
         "            if kind is not parameter and (kind is plain or not isinstance(owner, parameter)):",
         "            if True:",
         ("tests/test_report.py",),
@@ -401,7 +401,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "guard_runs_after_the_modules_own_pre_hooks",
-        "scopedckpt/_guard.py",
+        "scopedckpt/mechanisms/_guard.py",
         "module.register_forward_pre_hook(pre, prepend=True),",
         "module.register_forward_pre_hook(pre),",
         ("tests/test_guard.py",),
@@ -409,7 +409,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "guard_global_hook_not_first",
-        "scopedckpt/_guard.py",
+        "scopedckpt/mechanisms/_guard.py",
         "            GLOBAL_PRE_HOOKS.move_to_end(_KEY, last=False)",
         "            pass",
         ("tests/test_guard.py",),
@@ -417,7 +417,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "recompute_ignores_foreign_global_hooks",
-        "scopedckpt/_guard.py",
+        "scopedckpt/mechanisms/_guard.py",
         "    foreign = len(GLOBAL_PRE_HOOKS) > (_KEY in GLOBAL_PRE_HOOKS)",
         "    foreign = False",
         ("tests/test_guard.py",),
@@ -425,7 +425,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "region_inputs_not_checked",
-        "scopedckpt/_inputs.py",
+        "scopedckpt/mechanisms/_inputs.py",
         "        if version_of(tensor) != version:",
         "        if False:",
         ("tests/test_inputs.py",),
@@ -434,7 +434,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "holding_recompute_never_released",
-        "scopedckpt/_engine.py",
+        "scopedckpt/core/_engine.py",
         "        recompute: _EnterFrame = _HoldingFrame(RECOMPUTE, tape, scope, owner, True)",
         "        recompute: _EnterFrame = _EnterFrame(RECOMPUTE, tape, scope, owner, True)",
         ("tests/test_targets.py",),
@@ -442,7 +442,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "failed_forward_keeps_target_patches",
-        "scopedckpt/_engine.py",
+        "scopedckpt/core/_engine.py",
         "                (self.partner or self).release()",
         "                pass",
         ("tests/test_inputs.py",),
@@ -450,7 +450,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "recompute_in_the_current_modes",
-        "scopedckpt/_guard.py",
+        "scopedckpt/mechanisms/_guard.py",
         "    return functools.partial(end, frame, every_call, _first_forward_modes(frame))",
         "    return functools.partial(end, frame, every_call, None)",
         ("tests/test_guard.py",),
@@ -459,7 +459,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "dropout_noise_rebuilt_in_the_recompute",
-        "scopedckpt/_dropout.py",
+        "scopedckpt/layers/_dropout.py",
         "    if noise is not None:  # NOTE [ noise on the tape ]",
         "    if noise is not None and phase is not RECOMPUTE:",
         ("tests/test_layers.py", "tests/test_report.py"),
@@ -468,7 +468,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "sampling_verifies_nothing",
-        "scopedckpt/_sampling.py",
+        "scopedckpt/core/_sampling.py",
         "    if every and sampled(found.calls - 1, every):",
         "    if False:",
         ("tests/test_sampling.py",),
@@ -477,7 +477,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "sampling_site_per_function_object",
-        "scopedckpt/_sampling.py",
+        "scopedckpt/core/_sampling.py",
         "        return id(code), code",
         "        return id(fn), fn",
         ("tests/test_sampling.py",),
@@ -485,7 +485,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "sampling_ignores_reused_ids",
-        "scopedckpt/_sampling.py",
+        "scopedckpt/core/_sampling.py",
         "    if entry is None or entry.alive() is not alive:",
         "    if entry is None:",
         ("tests/test_sampling.py",),
@@ -493,7 +493,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_ignores_parameters",
-        "scopedckpt/_written.py",
+        "scopedckpt/mechanisms/_written.py",
         "    moved_any = list(map(version_of, parameters)) != noted.versions",
         "    moved_any = False",
         ("tests/test_written.py",),
@@ -502,7 +502,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_takes_every_buffer_as_guarded",
-        "scopedckpt/_written.py",
+        "scopedckpt/mechanisms/_written.py",
         "            if id(holder) not in called:",
         "            if id(holder) in called:",
         ("tests/test_written.py",),
@@ -511,7 +511,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_listing_never_refreshed",
-        "scopedckpt/_subtree.py",
+        "scopedckpt/core/_subtree.py",
         "    if entry is not None and entry.owner() is owner and entry.generation == _Listing.generation:",
         "    if entry is not None and entry.owner() is owner:",
         ("tests/test_written.py",),
@@ -519,7 +519,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_recompute_swaps_nothing",
-        "scopedckpt/_written.py",
+        "scopedckpt/mechanisms/_written.py",
         "    if not copies.buffers and not copies.parameters:\n        return None",
         "    if True:\n        return None",
         ("tests/test_written.py",),
@@ -527,7 +527,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_copies_nothing_at_a_first_region",
-        "scopedckpt/_written.py",
+        "scopedckpt/mechanisms/_written.py",
         "        if learning or (qualified, name) in learned:",
         "        if (qualified, name) in learned:",
         ("tests/test_written.py",),
@@ -535,7 +535,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_copy_shared_by_recomputes",
-        "scopedckpt/_written.py",
+        "scopedckpt/mechanisms/_written.py",
         "        buffers[name] = before.clone()  # a copy: a later recompute needs `before` again",
         "        buffers[name] = before",
         ("tests/test_written.py",),
@@ -543,7 +543,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_real_buffers_never_put_back",
-        "scopedckpt/_written.py",
+        "scopedckpt/mechanisms/_written.py",
         "    for buffers, name, real in found:\n        buffers[name] = real",
         "    for buffers, name, real in found:\n        pass",
         ("tests/test_written.py",),
@@ -551,7 +551,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_learns_nothing",
-        "scopedckpt/_written.py",
+        "scopedckpt/mechanisms/_written.py",
         "        listing.written |= wrote\n",
         "        pass\n",
         ("tests/test_written.py",),
@@ -559,7 +559,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_learning_ends_at_the_first_forward",
-        "scopedckpt/_written.py",
+        "scopedckpt/mechanisms/_written.py",
         "    if not wrote <= listing.written:\n",
         "    listing.learning = False\n    if not wrote <= listing.written:\n",
         ("tests/test_written.py",),
@@ -567,7 +567,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_nested_region_swaps_over_the_outer_copy",
-        "scopedckpt/_written.py",
+        "scopedckpt/mechanisms/_written.py",
         "        if key in swapped:  # an enclosing recompute's copy: continue on it\n",
         "        if False:\n",
         ("tests/test_written.py",),
@@ -576,7 +576,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "verify_sample_positions_shifted",
-        "scopedckpt/_bits.py",
+        "scopedckpt/mechanisms/_bits.py",
         "        first_at = round(first_at * (numel - 1) / (SAMPLE - 1))",
         "        first_at = first_at * (numel - 1) // SAMPLE",
         ("tests/test_verify.py",),
@@ -584,7 +584,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "verify_counts_against_the_recomputes_own_sample",
-        "scopedckpt/_verify.py",
+        "scopedckpt/mechanisms/_verify.py",
         "            recomputed_sample = None if values is None else sample(values)",
         "            recomputed_sample = self.sample",
         ("tests/test_verify.py",),
@@ -592,7 +592,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_parameters_never_copied",
-        "scopedckpt/_written.py",
+        "scopedckpt/mechanisms/_written.py",
         "    copied = listing.writable if learning else listing.written_parameters",
         "    copied = ()",
         ("tests/test_written.py",),
@@ -600,7 +600,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_parameters_not_swapped",
-        "scopedckpt/_written.py",
+        "scopedckpt/mechanisms/_written.py",
         "    for slots, before, requires_grad in copies.parameters:",
         "    for slots, before, requires_grad in ():",
         ("tests/test_written.py",),
@@ -609,7 +609,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_embedding_with_max_norm_taken_for_a_plain_layer",
-        "scopedckpt/_subtree.py",
+        "scopedckpt/core/_subtree.py",
         '    return getattr(module, "max_norm", None) is not None or isinstance(module, nn.RNNBase)',
         "    return isinstance(module, nn.RNNBase)",
         ("tests/test_written.py",),
@@ -617,7 +617,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_every_layer_may_write_parameters",
-        "scopedckpt/_subtree.py",
+        "scopedckpt/core/_subtree.py",
         "    if not type(module).__module__.startswith(_OWN_LAYERS):",
         "    if True:",
         ("tests/test_written.py",),
@@ -625,7 +625,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_listing_holds_its_modules",
-        "scopedckpt/_subtree.py",
+        "scopedckpt/core/_subtree.py",
         "    weak = {id(module): weakref.ref(module) for _, module in modules}",
         "    weak = {id(module): (lambda m=module: m) for _, module in modules}",
         ("tests/test_written.py",),
@@ -633,7 +633,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_listing_outlives_its_module",
-        "scopedckpt/_subtree.py",
+        "scopedckpt/core/_subtree.py",
         "        weakref.ref(owner, forget),\n",
         "        weakref.ref(owner),\n",
         ("tests/test_written.py",),
@@ -641,7 +641,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "functional_rrelu_region_stops_early",
-        "scopedckpt/_torch_private.py",
+        "scopedckpt/core/_torch_private.py",
         "    frame.early_stop = False\n    return True",
         "    return True",
         ("tests/test_verify.py",),
@@ -649,7 +649,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "functional_rrelu_site_forgotten",
-        "scopedckpt/_early_stop.py",
+        "scopedckpt/core/_early_stop.py",
         "    site(module, fn, count=False).late = True",
         "    pass",
         ("tests/test_verify.py",),
@@ -657,7 +657,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_buffer_reassignment_rebuilds_listings",
-        "scopedckpt/_subtree.py",
+        "scopedckpt/core/_subtree.py",
         "    if tensor is None or module_buffers(module).get(name) is None:",
         "    if True:",
         ("tests/test_written.py",),
@@ -666,7 +666,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_learning_not_ended_by_a_region_that_wrote_nothing",
-        "scopedckpt/_written.py",
+        "scopedckpt/mechanisms/_written.py",
         "        if isinstance(copies, Listing):\n            copies.learning = False\n",
         "        if isinstance(copies, Listing):\n            pass\n",
         ("tests/test_written.py",),
@@ -675,7 +675,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "generators_not_replayed",
-        "scopedckpt/_generators.py",
+        "scopedckpt/mechanisms/_generators.py",
         "    for generator, state in stash:\n        generator.set_state(state)\n",
         "",
         ("tests/test_generators.py",),
@@ -683,7 +683,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "generators_not_put_back",
-        "scopedckpt/_generators.py",
+        "scopedckpt/mechanisms/_generators.py",
         "        for generator, state in found:\n            generator.set_state(state)",
         "        for generator, state in found:\n            pass",
         ("tests/test_generators.py",),
@@ -691,7 +691,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "generators_site_not_stashed",
-        "scopedckpt/_generators.py",
+        "scopedckpt/mechanisms/_generators.py",
         "        _add(stash, [g for ref in site.generators if (g := ref()) is not None])\n",
         "        pass\n",
         ("tests/test_generators.py",),
@@ -699,7 +699,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "generators_common_case_ignores_site",
-        "scopedckpt/_generators.py",
+        "scopedckpt/mechanisms/_generators.py",
         "        fn is call.module and (site is None or not site.generators)\n",
         "        fn is call.module\n",
         ("tests/test_generators.py",),
@@ -707,7 +707,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "generators_not_remembered",
-        "scopedckpt/_generators.py",
+        "scopedckpt/mechanisms/_generators.py",
         "            site.generators.append(weakref.ref(generator))\n",
         "            pass\n",
         ("tests/test_generators.py",),
@@ -715,7 +715,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "generators_ignore_arguments",
-        "scopedckpt/_generators.py",
+        "scopedckpt/mechanisms/_generators.py",
         "    given = [value for _, value in call.others]\n",
         "    given: list[object] = []\n",
         ("tests/test_generators.py",),
@@ -723,7 +723,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "generators_ignore_closure",
-        "scopedckpt/_generators.py",
+        "scopedckpt/mechanisms/_generators.py",
         "            carried.append(cell.cell_contents)\n",
         "            pass\n",
         ("tests/test_generators.py",),
@@ -731,7 +731,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "generators_ignore_partial_keywords",
-        "scopedckpt/_generators.py",
+        "scopedckpt/mechanisms/_generators.py",
         "        carried.extend(fn.keywords.values())\n",
         "",
         ("tests/test_generators.py",),
@@ -739,7 +739,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "generators_ignore_registered",
-        "scopedckpt/_generators.py",
+        "scopedckpt/mechanisms/_generators.py",
         "    _add(stash, call.scope.generators)\n",
         "",
         ("tests/test_generators.py",),
@@ -747,7 +747,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "generators_never_watched",
-        "scopedckpt/_generators.py",
+        "scopedckpt/mechanisms/_generators.py",
         "        if verifying is None:\n            return None",
         "        if True:\n            return None",
         ("tests/test_generators.py",),
@@ -755,7 +755,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "generators_unseen_draws_not_refused",
-        "scopedckpt/_generators.py",
+        "scopedckpt/mechanisms/_generators.py",
         "                raise ScopedCkptError(_message(call))\n",
         "                pass\n",
         ("tests/test_generators.py",),
@@ -763,7 +763,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "generators_refuses_a_freshly_seeded_generator",
-        "scopedckpt/_generators.py",
+        "scopedckpt/mechanisms/_generators.py",
         "            if not _seeded_only(generator, state):\n",
         "            if True:\n",
         ("tests/test_generators.py",),
@@ -771,7 +771,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "generators_fresh_unseen_draws_not_warned",
-        "scopedckpt/_generators.py",
+        "scopedckpt/mechanisms/_generators.py",
         "            warnings.warn(_warning(call), stacklevel=3)\n",
         "",
         ("tests/test_generators.py",),
@@ -779,7 +779,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "generators_watch_stashes_mask_generators",
-        "scopedckpt/_generators.py",
+        "scopedckpt/mechanisms/_generators.py",
         "            and generator not in MASK_GENERATORS\n            and all(",
         "            and all(",
         ("tests/test_generators.py",),
@@ -787,7 +787,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "generators_watch_reads_its_stash_while_compiling",
-        "scopedckpt/_generators.py",
+        "scopedckpt/mechanisms/_generators.py",
         "        if torch.compiler.is_compiling():  # first: dynamo traces both watches alike\n",
         "        if self.stash is not None and torch.compiler.is_compiling():\n",
         ("tests/test_compile.py",),
@@ -795,7 +795,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "generators_ignore_module_attributes",
-        "scopedckpt/_subtree.py",
+        "scopedckpt/core/_subtree.py",
         "            if generators_in(value):\n",
         "            if False:\n",
         ("tests/test_generators.py",),
@@ -803,7 +803,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "generators_ignore_lists",
-        "scopedckpt/_subtree.py",
+        "scopedckpt/core/_subtree.py",
         "    elif kind is not list and kind is not tuple:\n",
         "    elif True:\n",
         ("tests/test_generators.py",),
@@ -811,7 +811,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "generators_ignore_dicts",
-        "scopedckpt/_subtree.py",
+        "scopedckpt/core/_subtree.py",
         "    if kind is dict:\n",
         "    if False:\n",
         ("tests/test_generators.py",),
@@ -819,7 +819,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "dropout_seed_not_redrawn_from_a_replayed_generator",
-        "scopedckpt/_dropout.py",
+        "scopedckpt/layers/_dropout.py",
         "        _redraw(seed, owner, None if from_default else generator)\n",
         "        if from_default:\n            _redraw(seed, owner, None)\n",
         ("tests/test_generators.py",),
@@ -827,7 +827,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_learning_never_ends",
-        "scopedckpt/_written.py",
+        "scopedckpt/mechanisms/_written.py",
         "    copies.listing.learning = False\n",
         "",
         ("tests/test_written.py",),
@@ -835,7 +835,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_entered_after_the_guard",
-        "scopedckpt/_mechanisms.py",
+        "scopedckpt/core/_mechanisms.py",
         "    _written,\n    _hooks,\n    _guard,\n",
         "    _guard,\n    _hooks,\n    _written,\n",
         ("tests/test_written.py",),
@@ -843,7 +843,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "written_only_in_module_target_regions",
-        "scopedckpt/_written.py",
+        "scopedckpt/mechanisms/_written.py",
         "    module = call.module\n",
         "    module = call.owner if isinstance(call.owner, nn.Module) else None\n",
         ("tests/test_written.py",),
@@ -851,7 +851,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "rrelu_region_stops_early",
-        "scopedckpt/_early_stop.py",
+        "scopedckpt/core/_early_stop.py",
         "        if late and any((layer := ref()) is not None and layer.training for ref in late):",
         "        if False:",
         ("tests/test_verify.py",),
@@ -859,7 +859,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "verify_compares_unread_rrelu_noise",
-        "scopedckpt/_verify.py",
+        "scopedckpt/mechanisms/_verify.py",
         "        not_verified(x)  # NOTE [ unread saved tensors ]",
         "        pass",
         ("tests/test_verify.py",),
@@ -867,7 +867,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "guard_puts_buffers_back_before_the_modules_own_post_hooks",
-        "scopedckpt/_guard.py",
+        "scopedckpt/mechanisms/_guard.py",
         "    return module.register_forward_hook(post, always_call=True)",
         "    return module.register_forward_hook(post, always_call=True, prepend=True)",
         ("tests/test_guard.py",),
@@ -876,7 +876,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "guard_global_post_hook_puts_buffers_back_first",
-        "scopedckpt/_guard.py",
+        "scopedckpt/mechanisms/_guard.py",
         "    if frame.exits is None and frame.guards and frame.guards[-1].module is module:",
         "    if frame.guards and frame.guards[-1].module is module:",
         ("tests/test_guard.py",),
@@ -885,7 +885,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "policy_built_in_the_trace",
-        "scopedckpt/_policy.py",
+        "scopedckpt/core/_policy.py",
         "@torch.compiler.assume_constant_result  # NOTE [ policies built in compiled code ]\n",
         "",
         ("tests/test_selective_compile.py",),
@@ -894,7 +894,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "verify_compares_shapes_only",
-        "scopedckpt/_verify.py",
+        "scopedckpt/mechanisms/_verify.py",
         "            same = torch.equal(self.sums, other.sums) or (",
         "            same = True or (",
         ("tests/test_verify.py",),
@@ -902,7 +902,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "verify_fingerprint_blind_to_order",
-        "scopedckpt/_bits.py",
+        "scopedckpt/mechanisms/_bits.py",
         "    return torch.mv(_weights(rows.numel(), rows.device), rows)",
         "    return torch.mv(_weights(rows.numel(), rows.device)[:1].expand(2, -1), rows)",
         ("tests/test_verify.py",),
@@ -910,7 +910,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "verify_ignores_writes_after_saving",
-        "scopedckpt/_verify.py",
+        "scopedckpt/mechanisms/_verify.py",
         "        if version_of(x) != self._version or (node is None and not x.requires_grad):",
         "        if False:",
         ("tests/test_verify.py",),
@@ -919,7 +919,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "verify_compares_running_statistics",
-        "scopedckpt/_verify.py",
+        "scopedckpt/mechanisms/_verify.py",
         "        not_verified(module.running_mean, module.running_var)",
         "        pass",
         ("tests/test_verify.py",),
@@ -928,7 +928,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "verify_failure_keeps_target_patches",
-        "scopedckpt/_verify.py",
+        "scopedckpt/mechanisms/_verify.py",
         "                patches.release_all()",
         "                pass",
         ("tests/test_verify.py",),
@@ -936,7 +936,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "early_stop_counts_as_a_failure",
-        "scopedckpt/_engine.py",
+        "scopedckpt/core/_engine.py",
         "            exc_type, _torch_private.STOP_RECOMPUTATION\n",
         "            exc_type, ()\n",
         ("tests/test_guard.py",),
@@ -945,7 +945,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "guard_hook_traced_by_dynamo",
-        "scopedckpt/_guard.py",
+        "scopedckpt/mechanisms/_guard.py",
         "        if here is BREAK:\n            _pre_outside_dynamo(module, args)\n        return",
         "        if here is GRAPH:\n            return",
         ("tests/test_compile.py",),
@@ -954,7 +954,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "guard_hooks_never_released",
-        "scopedckpt/_guard.py",
+        "scopedckpt/mechanisms/_guard.py",
         "            del GLOBAL_PRE_HOOKS[_KEY]\n",
         "            pass\n",
         ("tests/test_guard.py",),
@@ -962,7 +962,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "report_counts_the_owners_buffers",
-        "scopedckpt/_report.py",
+        "scopedckpt/mechanisms/_report.py",
         "if key not in seen and key not in buffers:",
         "if key not in seen:",
         ("tests/test_report.py",),
@@ -971,7 +971,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # Two dropout formulations (NOTE [ two formulations ] in _mask.py).
     Mutant(
         "mask_band_retuned",
-        "scopedckpt/_mask.py",
+        "scopedckpt/layers/_mask.py",
         "HASHED_FROM_ELEMENTS = 3 << 15  # 98,304",
         "HASHED_FROM_ELEMENTS = 1 << 17",
         ("tests/test_mask_stream.py",),
@@ -979,7 +979,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "scale_cache_unbounded",
-        "scopedckpt/_mask.py",
+        "scopedckpt/layers/_mask.py",
         "@functools.lru_cache(maxsize=_CACHE_SIZE)  # computing it costs a kernel and a sync",
         "@functools.lru_cache(maxsize=None)",
         ("tests/test_mask_stream.py",),
@@ -987,7 +987,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "native_dropout_rounds_its_scale",
-        "scopedckpt/_mask.py",
+        "scopedckpt/layers/_mask.py",
         '    return float(torch.ones((), dtype=dtype, device="cpu").div_(1.0 - p))',
         "    return 1.0 / (1.0 - p)",
         ("tests/test_layers.py",),
@@ -996,7 +996,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "scale_computed_on_the_default_device",
-        "scopedckpt/_mask.py",
+        "scopedckpt/layers/_mask.py",
         'torch.ones((), dtype=dtype, device="cpu").div_(1.0 - p)',
         "torch.ones((), dtype=dtype).div_(1.0 - p)",
         ("tests/test_layers.py",),
@@ -1004,7 +1004,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "native_dropout_keeps_float_noise",
-        "scopedckpt/_mask.py",
+        "scopedckpt/layers/_mask.py",
         "    keep = mask.keep()\n    out = input.mul_(keep)",
         "    keep = mask.keep().to(input.dtype)\n    out = input.mul_(keep)",
         ("tests/test_layers.py",),
@@ -1013,7 +1013,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # The mask's bits (NOTE [ mask bits ] in _mask.py).
     Mutant(
         "mask_bits_lose_the_sign_bit",
-        "scopedckpt/_mask.py",
+        "scopedckpt/layers/_mask.py",
         "return words.random_(-(1 << 63), None, generator=generator)",
         "return words.random_(generator=generator)",
         ("tests/test_layers.py",),
@@ -1022,7 +1022,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "mask_threshold_off_by_a_factor",
-        "scopedckpt/_mask.py",
+        "scopedckpt/layers/_mask.py",
         "keep = min(round((1.0 - p) * 2.0**32), (1 << 32) - 1)",
         "keep = min(round((1.0 - p) * 2.0**31), (1 << 32) - 1)",
         ("tests/test_layers.py",),
@@ -1030,7 +1030,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "mask_drawn_in_one_piece",
-        "scopedckpt/_mask.py",
+        "scopedckpt/layers/_mask.py",
         "half = words if numel < PIECES_FROM_ELEMENTS else",
         "half = words if True else",
         ("tests/test_layers.py",),
@@ -1039,7 +1039,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "mask_second_piece_reseeded",
-        "scopedckpt/_mask.py",
+        "scopedckpt/layers/_mask.py",
         "                _random_words(tail, generator)\n",
         "                generator.manual_seed(self.seed)\n                _random_words(tail, generator)\n",
         ("tests/test_layers.py",),
@@ -1047,7 +1047,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "hash_shifts_arithmetic",
-        "scopedckpt/_mask.py",
+        "scopedckpt/layers/_mask.py",
         "zc.bitwise_xor_(tc.bitwise_and_((1 << (64 - shift)) - 1))",
         "zc.bitwise_xor_(tc)",
         ("tests/test_layers.py",),
@@ -1056,7 +1056,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "hash_chunks_restart_the_sequence",
-        "scopedckpt/_mask.py",
+        "scopedckpt/layers/_mask.py",
         "torch.arange(start, start + n, out=zc)",
         "torch.arange(0, n, out=zc)",
         ("tests/test_layers.py",),
@@ -1064,7 +1064,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "hash_in_one_chunk",
-        "scopedckpt/_mask.py",
+        "scopedckpt/layers/_mask.py",
         "chunk = min(_HASH_CHUNK_WORDS, -(-words // 4))",
         "chunk = words",
         ("tests/test_layers.py",),
@@ -1073,7 +1073,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "recompute_takes_the_function",
-        "scopedckpt/_mask.py",
+        "scopedckpt/layers/_mask.py",
         "if input.numel() >= NATIVE_BELOW_ELEMENTS and not recompute:",
         "if input.numel() >= NATIVE_BELOW_ELEMENTS:",
         ("tests/test_layers.py",),
@@ -1083,7 +1083,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # Selective saving.
     Mutant(
         "kept_random_op_leaves_the_stream_behind",
-        "scopedckpt/_selective.py",
+        "scopedckpt/mechanisms/_selective.py",
         "        if entry.rng is not None:\n            entry.rng.apply()",
         "        pass",
         ("tests/test_selective.py",),
@@ -1091,7 +1091,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "kept_output_changed_in_place_still_served",
-        "scopedckpt/_selective.py",
+        "scopedckpt/mechanisms/_selective.py",
         "        if any(version_of(t) != version for t, version in entry.versions):",
         "        if False:",
         ("tests/test_selective.py",),
@@ -1099,7 +1099,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "ops_numbered_per_op_only",
-        "scopedckpt/_selective.py",
+        "scopedckpt/mechanisms/_selective.py",
         "    return func, modules[-1] if modules else None",
         "    return func, None",
         ("tests/test_selective.py",),
@@ -1107,7 +1107,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "kept_outputs_never_served",
-        "scopedckpt/_selective.py",
+        "scopedckpt/mechanisms/_selective.py",
         "        if entry is None:\n            return func(*args, **kwargs)\n        signature",
         "        if True:\n            return func(*args, **kwargs)\n        signature",
         ("tests/test_selective.py",),
@@ -1115,7 +1115,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "guard_copies_numbered",
-        "scopedckpt/_selective.py",
+        "scopedckpt/mechanisms/_selective.py",
         "        _INTERNAL.depth += 1\n\n    def __exit__(self, *exc: object) -> None:\n        _INTERNAL.depth -= 1",
         "        pass\n\n    def __exit__(self, *exc: object) -> None:\n        pass",
         ("tests/test_selective.py",),
@@ -1123,7 +1123,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "unkeepable_ops_kept",
-        "scopedckpt/_selective.py",
+        "scopedckpt/mechanisms/_selective.py",
         "        reason = why_not_keepable(func)\n        if reason is not None:",
         "        reason = why_not_keepable(func)\n        if False:",
         ("tests/test_selective.py",),
@@ -1131,7 +1131,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "factories_keepable",
-        "scopedckpt/_selective.py",
+        "scopedckpt/mechanisms/_selective.py",
         '    elif name.endswith("_like") or not takes_tensors:',
         "    elif False:",
         ("tests/test_selective.py",),
@@ -1139,7 +1139,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "report_ignores_kept_outputs",
-        "scopedckpt/_report.py",
+        "scopedckpt/mechanisms/_report.py",
         "    if tape.saved is not None:  # outputs kept by save=",
         "    if False:  # outputs kept by save=",
         ("tests/test_selective.py",),
@@ -1147,7 +1147,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "live_bytes_count_views",
-        "scopedckpt/_live.py",
+        "scopedckpt/planner/_live.py",
         "            self._count(storage, new=not aliasing)",
         "            self._count(storage, new=True)",
         ("tests/test_plan.py",),
@@ -1155,7 +1155,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "live_bytes_ignore_growth_in_place",
-        "scopedckpt/_live.py",
+        "scopedckpt/planner/_live.py",
         "            if entry is None and not new:",
         "            if not new:",
         ("tests/test_plan.py",),
@@ -1163,7 +1163,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "live_bytes_never_freed",
-        "scopedckpt/_live.py",
+        "scopedckpt/planner/_live.py",
         "                ref = weakref.ref(storage, self._freed_callback(key))",
         "                ref = weakref.ref(storage)",
         ("tests/test_plan.py",),
@@ -1171,7 +1171,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "untouched_buffers_not_put_back",
-        "scopedckpt/_untouched.py",
+        "scopedckpt/planner/_untouched.py",
         "                    if not torch.equal(tensor, clone):",
         "                    if False:",
         ("tests/test_plan.py",),
@@ -1179,7 +1179,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "untouched_trusts_version_counters",
-        "scopedckpt/_untouched.py",
+        "scopedckpt/planner/_untouched.py",
         "                    if not torch.equal(tensor, clone):",
         "                    if version_of(tensor) != version:",
         ("tests/test_plan.py",),
@@ -1187,7 +1187,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "untouched_generators_not_put_back",
-        "scopedckpt/_untouched.py",
+        "scopedckpt/planner/_untouched.py",
         "            generator.set_state(state)",
         "            pass",
         ("tests/test_plan.py",),
@@ -1195,7 +1195,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "untouched_written_parameter_not_copied",
-        "scopedckpt/_untouched.py",
+        "scopedckpt/planner/_untouched.py",
         "            if entry is not None and id(entry[0]) not in self._clones:",
         "            if False:",
         ("tests/test_plan.py",),
@@ -1203,7 +1203,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "solve_ignores_recompute_peaks",
-        "scopedckpt/_solve.py",
+        "scopedckpt/planner/_solve.py",
         "            if option.recompute is not None:\n                q = torch.maximum(q, p + option.recompute)",
         "            if False:\n                q = torch.maximum(q, p + option.recompute)",
         ("tests/test_plan.py",),
@@ -1211,7 +1211,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "solve_front_ignores_kept_bytes",
-        "scopedckpt/_solve.py",
+        "scopedckpt/planner/_solve.py",
         "    order = order[torch.argsort(prefix[order], stable=True)]\n",
         "",
         ("tests/test_plan.py",),
@@ -1219,7 +1219,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "profile_full_region_keeps_nothing",
-        "scopedckpt/_profile.py",
+        "scopedckpt/planner/_profile.py",
         '            choices.append(Choice("full", kept_full[k], seconds + overhead, rebuild))',
         '            choices.append(Choice("full", 0, seconds + overhead, rebuild))',
         ("tests/test_plan.py",),
@@ -1227,7 +1227,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "profile_recompute_rebuilds_nothing",
-        "scopedckpt/_profile.py",
+        "scopedckpt/planner/_profile.py",
         "            rebuild = full.backward_peak[k] - settled_full[k + 1]",
         "            rebuild = 0",
         ("tests/test_plan.py",),
@@ -1235,7 +1235,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "scope_ignores_plan_presets",
-        "scopedckpt/_state.py",
+        "scopedckpt/core/_state.py",
         "        if self.saves and id(owner) in self.saves:",
         "        if False:",
         ("tests/test_plan.py",),
@@ -1243,7 +1243,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "eager_recompute_holds_its_region",
-        "scopedckpt/_eager_checkpoint.py",
+        "scopedckpt/core/_eager_checkpoint.py",
         "_collector(weakref.ref(self), key)",
         "_collector(lambda: self, key)",
         ("tests/test_eager_checkpoint.py",),
@@ -1251,7 +1251,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "eager_unpack_twice_unnoticed",
-        "scopedckpt/_eager_checkpoint.py",
+        "scopedckpt/core/_eager_checkpoint.py",
         "        slots[placeholder.index] = _UNPACKED\n",
         "",
         ("tests/test_eager_checkpoint.py",),
@@ -1259,7 +1259,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "eager_ignores_the_early_stop_switch",
-        "scopedckpt/_eager_checkpoint.py",
+        "scopedckpt/core/_eager_checkpoint.py",
         "early_stop if override is None else override",
         "early_stop",
         ("tests/test_eager_checkpoint.py",),
@@ -1267,7 +1267,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "eager_recompute_ignores_autocast",
-        "scopedckpt/_eager_checkpoint.py",
+        "scopedckpt/core/_eager_checkpoint.py",
         "with autocast_as(self.autocast), self.recompute_context:",
         "with self.recompute_context:",
         ("tests/test_eager_checkpoint.py",),
@@ -1275,7 +1275,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "eager_inputs_held_not_saved",
-        "scopedckpt/_eager_checkpoint.py",
+        "scopedckpt/core/_eager_checkpoint.py",
         "(True, saved(a)) if isinstance(a, torch.Tensor) else (False, a)",
         "(False, a)",
         ("tests/test_eager_checkpoint.py",),
@@ -1283,7 +1283,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "eager_one_recompute_per_region",
-        "scopedckpt/_eager_checkpoint.py",
+        "scopedckpt/core/_eager_checkpoint.py",
         "        key = _torch_private.graph_task_key()\n",
         "        key = 0\n",
         ("tests/test_eager_checkpoint.py",),
@@ -1291,7 +1291,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "eager_compares_no_metadata",
-        "scopedckpt/_eager_checkpoint.py",
+        "scopedckpt/core/_eager_checkpoint.py",
         "            if saved != recomputed:",
         "            if False:",
         ("tests/test_eager_checkpoint.py",),
@@ -1299,7 +1299,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "eager_stops_one_tensor_early",
-        "scopedckpt/_eager_checkpoint.py",
+        "scopedckpt/core/_eager_checkpoint.py",
         "if frame.early_stop and index + 1 == len(placeholders):",
         "if frame.early_stop and index + 2 == len(placeholders):",
         ("tests/test_eager_checkpoint.py",),
@@ -1307,7 +1307,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "eager_failed_recompute_kept",
-        "scopedckpt/_eager_checkpoint.py",
+        "scopedckpt/core/_eager_checkpoint.py",
         "            del self.recomputed[key], self.counts[key]\n",
         "",
         ("tests/test_eager_checkpoint.py",),
@@ -1315,7 +1315,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "eager_never_taken",
-        "scopedckpt/_eager_checkpoint.py",
+        "scopedckpt/core/_eager_checkpoint.py",
         "    return (\n        options.caller_context_fn is None",
         "    return False and (\n        options.caller_context_fn is None",
         ("tests/test_eager_checkpoint.py",),
@@ -1323,7 +1323,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "sampling_periodic",
-        "scopedckpt/_sampling.py",
+        "scopedckpt/core/_sampling.py",
         "    return ((z ^ (z >> 31)) >> 32) % every == 0  # the high half: the low bits follow calls",
         "    return calls % every == 0",
         ("tests/test_sampling.py",),
@@ -1331,7 +1331,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "light_check_compares_nothing",
-        "scopedckpt/_eager_checkpoint.py",
+        "scopedckpt/core/_eager_checkpoint.py",
         "                if not torch.equal(recomputed, forward[index]):",
         "                if False:",
         ("tests/test_world.py", "tests/test_written.py"),
@@ -1339,7 +1339,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "light_check_watches_only_the_learned_tail",
-        "scopedckpt/_eager_checkpoint.py",
+        "scopedckpt/core/_eager_checkpoint.py",
         "        if index >= tail >= 0 and _light.is_tail(x):  # the site's calls may differ",
         "        if index == tail >= 0 and _light.is_tail(x):  # the site's calls may differ",
         ("tests/test_world.py",),
@@ -1348,7 +1348,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "light_check_takes_buffers_as_tails",
-        "scopedckpt/_light.py",
+        "scopedckpt/core/_light.py",
         "    if x.grad_fn is None:\n        return False",
         "    if False:\n        return False",
         ("tests/test_exactness.py",),
@@ -1357,7 +1357,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "path_check_counts_nothing",
-        "scopedckpt/_eager_checkpoint.py",
+        "scopedckpt/core/_eager_checkpoint.py",
         "        if count != len(self.placeholders):\n            self._fail()",
         "        if False:\n            self._fail()",
         ("tests/test_world.py", "tests/test_eager_checkpoint.py"),
@@ -1365,7 +1365,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "world_leaves_bindings_alone",
-        "scopedckpt/_world.py",
+        "scopedckpt/mechanisms/_world.py",
         "                registered[name] = tensor\n",
         "                pass\n",
         ("tests/test_world.py",),
@@ -1373,7 +1373,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "world_learns_no_attributes",
-        "scopedckpt/_world.py",
+        "scopedckpt/mechanisms/_world.py",
         "        if d.get(name, _MISSING) is not value and (id(d), name) not in known:\n",
         "        if False:\n",
         ("tests/test_world.py",),
@@ -1381,7 +1381,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "world_never_replays_python_random",
-        "scopedckpt/_world.py",
+        "scopedckpt/mechanisms/_world.py",
         "        learned.python = True",
         "        learned.python = False",
         ("tests/test_world.py",),
@@ -1389,7 +1389,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "world_keeps_the_recomputes_writes",
-        "scopedckpt/_world.py",
+        "scopedckpt/mechanisms/_world.py",
         "    for d, name, present in reversed(undo):\n",
         "    for d, name, present in ():\n",
         ("tests/test_world.py",),
@@ -1397,7 +1397,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "world_replays_inside_the_parents_recompute",
-        "scopedckpt/_world.py",
+        "scopedckpt/mechanisms/_world.py",
         "    if not frame.rewind:\n",
         "    if False:\n",
         ("tests/test_written.py",),
@@ -1405,7 +1405,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "verify_holds_saved_tensors",
-        "scopedckpt/_verify.py",
+        "scopedckpt/mechanisms/_verify.py",
         "            self._tensor = (lambda: x) if hold else weakref.ref(x)",
         "            self._tensor = lambda: x",
         ("tests/test_world.py",),
@@ -1414,7 +1414,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "verify_holds_the_regions_arguments",
-        "scopedckpt/_verify.py",
+        "scopedckpt/mechanisms/_verify.py",
         "    verifying.call = verifying.call.without_arguments()\n",
         "",
         ("tests/test_world.py",),
@@ -1422,7 +1422,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "hooks_rerun_in_recomputes",
-        "scopedckpt/_hooks.py",
+        "scopedckpt/mechanisms/_hooks.py",
         "        return hook(*args) if run else None",
         "        return hook(*args)",
         ("tests/test_world.py",),
@@ -1430,7 +1430,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "hooks_that_change_tensors_skipped",
-        "scopedckpt/_hooks.py",
+        "scopedckpt/mechanisms/_hooks.py",
         "            or _versions(args) != before\n",
         "            or False\n",
         ("tests/test_world.py",),
@@ -1439,7 +1439,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "transform_regions_checkpointed",
-        "scopedckpt/_transforms.py",
+        "scopedckpt/core/_transforms.py",
         "    if _torch_private.functorch_level() is None:\n        return False",
         "    if True:\n        return False",
         ("tests/test_world.py",),

@@ -1,0 +1,372 @@
+"""The scoped dropout implementation: one seed per call, recorded and replayed.
+
+Each call in training mode draws one seed, from ``generator`` when given or
+else from torch's default CPU generator (so ``torch.manual_seed`` reproduces a
+run), and builds its mask from it alone (a private generator seeded with it,
+or a hash of it for large CPU masks: NOTE [ hashed bits ] in ``_mask.py``). Inside a
+checkpoint region the seed goes on the region's tape and the recompute builds
+the identical mask from it; no global RNG state is stashed or restored, and the
+global stream advances exactly as much as in a run without checkpointing.
+
+For backward the mask is kept as one byte per element (``save_mask=True``,
+the default; channel-wise dropout keeps its float noise, one value per channel)
+or rebuilt from the seed (``save_mask=False``: no memory, one more random pass
+in backward). Both give the same bits (NOTE [ two formulations ] in ``_mask.py``).
+
+NOTE [ aligned draws ]
+======================
+A seed drawn from torch's default generator in the first forward is drawn
+again in every recompute of a region that replays the RNG (NOTE [ RNG replay ]
+in ``_rng.py``), and checked against the recorded seed, which is the one used.
+Without that draw, every unscoped random op after a scoped dropout in the same
+region (timm's ``proj_drop`` then ``drop_path``) would see a stream shifted by
+one draw in the recompute. A seed from a user's ``generator=`` is drawn again
+only in a recompute that replays that generator (NOTE [ explicit generators ]
+in ``_generators.py``: an unscoped op in the region draws from it too, or the
+region can reach it): the replay rewinds it, and the unscoped draws after the
+seed must see it advanced past the seed, as in the first forward.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..core._errors import ScopedCkptError
+from ..core._names import frame_region_name
+from ..core._paths import EAGER, GRAPH, where
+from ..core._replay import tape_value
+from ..core._state import FRAME, RECOMPUTE
+from ..core._torch_private import functorch_level
+from ..mechanisms._selective import internal
+from ..mechanisms._strict import scoped_draws
+from ._mask import Mask, masked_dropout
+
+__all__ = [
+    "Impl",
+    "check_p",
+    "impl_alpha_dropout",
+    "impl_dropout",
+    "impl_dropout1d",
+    "impl_dropout2d",
+    "impl_dropout3d",
+    "impl_feature_alpha_dropout",
+]
+
+_SEED_HIGH = 2**62
+
+
+def check_p(p: Any, where: str) -> float:
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(
+            f"scopedckpt: {where} expected p to be a float probability, got "
+            f"{type(p).__name__}. Pass e.g. p=0.1."
+        )
+    if not 0.0 <= float(p) <= 1.0 or math.isnan(float(p)):
+        raise ValueError(
+            f"scopedckpt: {where} expected p between 0 and 1 (the probability of "
+            f"zeroing an element), got p={p}. Pass e.g. p=0.1."
+        )
+    return float(p)
+
+
+def _draw_seed(generator: torch.Generator | None) -> int:
+    device = generator.device if generator is not None else torch.device("cpu")
+    with scoped_draws():
+        return int(torch.randint(0, _SEED_HIGH, (), generator=generator, device=device))
+
+
+def _redraw(seed: int, owner: object, generator: torch.Generator | None) -> None:
+    """Draw the recorded seed again where the recompute replays its generator, to keep
+    that stream aligned (NOTE [ aligned draws ])."""
+    frame = FRAME.get()
+    if frame is None:
+        return
+    if generator is None:
+        if frame.tape.rng is None:
+            return
+        source = "torch's default generator"
+    else:
+        replayed = frame.tape.generators
+        if replayed is None or all(g is not generator for g, _ in replayed.stash):
+            return
+        source = "its generator"
+    again = _draw_seed(generator)
+    if again != seed:
+        raise ScopedCkptError(
+            f"scopedckpt: the recompute of {frame_region_name(frame)} drew other random "
+            "numbers than its first forward: give its scoped layers their own generator=...\n"
+            f"It drew seed {again} for {frame.name(owner)} from {source}, but its first "
+            f"forward drew {seed} at the same point: data-dependent random draws, or another "
+            "thread drawing from that generator while the region ran. Or keep such draws "
+            "outside checkpoint regions."
+        )
+
+
+# torch's own dropout ops by (feature, alpha): (out of place, in place).
+_TORCH_OPS = {
+    (False, False): (torch.dropout, torch.dropout_),
+    (True, False): (torch.feature_dropout, torch.feature_dropout_),
+    (False, True): (torch.alpha_dropout, torch.alpha_dropout_),
+    (True, True): (torch.feature_alpha_dropout, torch.feature_alpha_dropout_),
+}
+
+
+def _dropout(
+    input: Tensor,
+    p: float,
+    training: bool,
+    inplace: bool,
+    generator: torch.Generator | None,
+    save_mask: bool,
+    *,
+    feature: bool,
+    alpha: bool,
+    owner: object,
+) -> Tensor:
+    """The one dropout implementation behind every scoped function and layer."""
+    if feature and input.dim() < 2:
+        raise RuntimeError(
+            f"scopedckpt: channel-wise dropout needs input with at least 2 dimensions "
+            f"(N, C, ...), but got shape {tuple(input.shape)}. Use dropout or alpha_dropout "
+            "for element-wise dropout."
+        )
+    seeded = _seeded_dropout
+    here = where()
+    if here is EAGER and generator is None and functorch_level() is not None:
+        # Under vmap or grad a seed cannot be read out of a batched draw, and regions run
+        # plainly there (NOTE [ torch.func transforms ]): torch's own op, as torch's layer.
+        out_of_place, in_place = _TORCH_OPS[feature, alpha]
+        return (in_place if inplace else out_of_place)(input, p, training)
+    if here is not EAGER:
+        if here is GRAPH and generator is None:
+            # Inductor's generator, replayed by torch's checkpoint operator
+            # (NOTE [ torch.compile ] in _compiled.py).
+            out_of_place, in_place = _TORCH_OPS[feature, alpha]
+            return (in_place if inplace else out_of_place)(input, p, training)
+        seeded = _seeded_dropout_outside_dynamo
+    return seeded(
+        input,
+        p,
+        training,
+        inplace,
+        generator,
+        save_mask,
+        feature=feature,
+        alpha=alpha,
+        owner=owner,
+    )
+
+
+def _seeded_dropout(
+    input: Tensor,
+    p: float,
+    training: bool,
+    inplace: bool,
+    generator: torch.Generator | None,
+    save_mask: bool,
+    *,
+    feature: bool,
+    alpha: bool,
+    owner: object,
+) -> Tensor:
+    """Dropout from a per-call seed, recorded and replayed in regions (eager code)."""
+    shape = tuple(input.shape[:2]) + (1,) * (input.dim() - 2) if feature else tuple(input.shape)
+
+    def decide() -> tuple[bool, int | None, bool, Tensor | None]:
+        if not (training and 0.0 < p < 1.0 and input.numel() > 0):
+            return training, None, False, None
+        seed = _draw_seed(generator)
+        noise = None
+        if (
+            feature
+            and save_mask
+            and not alpha
+            and math.prod(shape) * _KEPT_NOISE_RATIO <= (input.numel())
+        ):
+            with internal():  # ops of the first forward alone (NOTE [ selective saving ])
+                noise = Mask(seed, p, shape, input.device, alpha, save_mask).noise(input.dtype)
+        return True, seed, generator is None, noise
+
+    (was_training, seed, from_default, noise), phase = tape_value("dropout", owner, decide)
+    if seed is not None and phase is RECOMPUTE:
+        _redraw(seed, owner, None if from_default else generator)
+    if not was_training or p == 0.0 or input.numel() == 0:
+        return input
+    if seed is None:  # p == 1: everything dropped, nothing random
+        zero = torch.zeros((), dtype=input.dtype, device=input.device)
+        return input.mul_(zero) if inplace else input * zero
+    if noise is not None:  # NOTE [ noise on the tape ]
+        return input.mul_(noise) if inplace else input * noise
+    mask = Mask(seed, p, shape, input.device, alpha, save_mask)
+    return masked_dropout(input, mask, inplace, recompute=phase is RECOMPUTE)
+
+
+# NOTE [ noise on the tape ]
+# ==========================
+# Channel-wise dropout whose noise (one value per channel, in the input's dtype)
+# has at most 1/_KEPT_NOISE_RATIO of the input's elements keeps that noise in the
+# record of the call: it is the tensor ``input * noise`` saves for backward, so
+# a recompute multiplies by the same tensor instead of rebuilding it (about ten
+# small ops). The record holds it until the region's backward ends, at most
+# 1/_KEPT_NOISE_RATIO of the input's bytes; memory_report counts it as kept.
+# Outside regions the value is built and dropped, as before; the bits are the
+# same either way (the mask is a pure function of the seed).
+_KEPT_NOISE_RATIO = 16
+
+
+# It reads the region's tape: compiled code calls it behind a graph break.
+_seeded_dropout_outside_dynamo = torch.compiler.disable(_seeded_dropout)
+
+
+def _feature(
+    input: Tensor,
+    p: float,
+    training: bool,
+    inplace: bool,
+    generator: torch.Generator | None,
+    save_mask: bool,
+    owner: object,
+    *,
+    batched: bool,
+    alpha: bool,
+) -> Tensor:
+    """Channel-wise dropout, adding a batch dimension for unbatched input."""
+    if not batched:
+        input = input.unsqueeze_(0) if inplace else input.unsqueeze(0)
+    out = _dropout(
+        input, p, training, inplace, generator, save_mask, feature=True, alpha=alpha, owner=owner
+    )
+    if not batched:
+        out = out.squeeze_(0) if inplace else out.squeeze(0)
+    return out
+
+
+# The implementations below take a validated ``p`` and the tape owner (the
+# layer, or the public function); the layers in ``_layers.py`` call them.
+Impl = Callable[[Tensor, float, bool, bool, "torch.Generator | None", bool, object], Tensor]
+
+
+def _elementwise(*, feature: bool, alpha: bool) -> Impl:
+    """The implementation of a dropout that needs no shape handling."""
+
+    def impl(
+        input: Tensor,
+        p: float,
+        training: bool,
+        inplace: bool,
+        generator: torch.Generator | None,
+        save_mask: bool,
+        owner: object,
+    ) -> Tensor:
+        return _dropout(
+            input,
+            p,
+            training,
+            inplace,
+            generator,
+            save_mask,
+            feature=feature,
+            alpha=alpha,
+            owner=owner,
+        )
+
+    return impl
+
+
+impl_dropout = _elementwise(feature=False, alpha=False)
+impl_alpha_dropout = _elementwise(feature=False, alpha=True)
+impl_feature_alpha_dropout = _elementwise(feature=True, alpha=True)
+
+
+def impl_dropout1d(
+    input: Tensor,
+    p: float,
+    training: bool,
+    inplace: bool,
+    generator: torch.Generator | None,
+    save_mask: bool,
+    owner: object,
+) -> Tensor:
+    if input.dim() not in (2, 3):
+        raise RuntimeError(
+            f"scopedckpt: dropout1d expected 2D (C, L) or 3D (N, C, L) input, but got a "
+            f"{input.dim()}D input. Use dropout for element-wise dropout."
+        )
+    return _feature(
+        input,
+        p,
+        training,
+        inplace,
+        generator,
+        save_mask,
+        owner,
+        batched=input.dim() == 3,
+        alpha=False,
+    )
+
+
+def impl_dropout2d(
+    input: Tensor,
+    p: float,
+    training: bool,
+    inplace: bool,
+    generator: torch.Generator | None,
+    save_mask: bool,
+    owner: object,
+) -> Tensor:
+    _warn_feature_dims(input, "dropout2d", (3, 4))
+    if input.dim() == 3:
+        warnings.warn(
+            "dropout2d: Received a 3D input to dropout2d and assuming that channel-wise "
+            "1D dropout behavior is desired - input is interpreted as shape (N, C, L), where C "
+            "is the channel dim. This behavior will change in a future release to interpret the "
+            "input as one without a batch dimension, i.e. shape (C, H, W). To maintain the 1D "
+            "channel-wise dropout behavior, please switch to using dropout1d instead.",
+            stacklevel=3,
+        )
+    return _feature(
+        input, p, training, inplace, generator, save_mask, owner, batched=True, alpha=False
+    )
+
+
+def impl_dropout3d(
+    input: Tensor,
+    p: float,
+    training: bool,
+    inplace: bool,
+    generator: torch.Generator | None,
+    save_mask: bool,
+    owner: object,
+) -> Tensor:
+    _warn_feature_dims(input, "dropout3d", (4, 5))
+    return _feature(
+        input,
+        p,
+        training,
+        inplace,
+        generator,
+        save_mask,
+        owner,
+        batched=input.dim() == 5,
+        alpha=False,
+    )
+
+
+def _warn_feature_dims(input: Tensor, name: str, dims: tuple[int, int]) -> None:
+    if input.dim() not in dims:
+        warnings.warn(
+            f"{name}: Received a {input.dim()}-D input to {name}, which is deprecated "
+            f"and will result in an error in a future release. To retain the behavior "
+            f"and silence this warning, please use dropout instead. Note that {name} "
+            f"exists to provide channel-wise dropout on inputs with {dims[0] - 1} spatial "
+            f"dimensions, a channel dimension, and an optional batch dimension "
+            f"(i.e. {dims[0]}D or {dims[1]}D inputs).",
+            stacklevel=3,
+        )

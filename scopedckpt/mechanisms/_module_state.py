@@ -1,0 +1,273 @@
+"""What one guarded module call keeps and puts back: copies of its buffers, snapshots.
+
+The buffer guard (NOTE [ buffer guard ] in ``_guard.py``) decides which calls
+are guarded and when; this module does the guarding of one call: ``enter``
+before it, ``exit_`` after it, ``unwind`` when a frame ends early, and says
+which modules need it at all (``guarded``).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
+
+from ..core._errors import ScopedCkptError
+from ..core._names import frame_region_name
+from ..core._state import RECOMPUTE, Frame, module_path
+from ..core._torch_private import module_buffers
+from ._verify import not_verified_statistics
+
+__all__ = [
+    "GuardEntry",
+    "ModuleState",
+    "Stateful",
+    "count_call",
+    "enter",
+    "exit_",
+    "guarded",
+    "initialize_lazy",
+    "self_guarded",
+    "unwind",
+]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """State a module keeps outside its registered buffers, restored around recomputes.
+
+    A module whose forward changes state that is not a registered buffer (a
+    Python counter, an object it owns) implements these two methods; inside
+    checkpoint regions scopedckpt then calls ``scopedckpt_state()`` before each
+    first-forward call, and around the recompute of that call restores the
+    snapshot with ``scopedckpt_restore(snapshot)`` and afterwards puts back what
+    it found. The snapshot must not be changed by later calls: return copies
+    (restore may be called with the same snapshot several times).
+
+    Example
+    -------
+    >>> import torch, scopedckpt
+    >>> class Counted(torch.nn.Linear):
+    ...     calls = 0
+    ...     def forward(self, x):
+    ...         self.calls += 1
+    ...         return super().forward(x) * self.calls
+    ...     def scopedckpt_state(self):
+    ...         return self.calls
+    ...     def scopedckpt_restore(self, state):
+    ...         self.calls = state
+    >>> layer = Counted(2, 2)
+    >>> x = torch.ones(1, 2, requires_grad=True)
+    >>> with scopedckpt.checkpointing():
+    ...     y = scopedckpt.checkpoint(layer, x)
+    >>> y.sum().backward()        # the recompute sees calls == 0 before its update
+    >>> layer.calls
+    1
+    """
+
+    def scopedckpt_state(self) -> Any: ...
+
+    def scopedckpt_restore(self, state: Any) -> None: ...
+
+
+@dataclass
+class ModuleState:
+    """What a recompute of one guarded call restores (on the tape)."""
+
+    module: nn.Module
+    buffers: list[tuple[str, Tensor]]  # every buffer's value before the call
+    state: Any  # the Stateful snapshot, or _NONE
+
+
+@dataclass
+class GuardEntry:
+    """A guarded call running now (on the frame's stack)."""
+
+    module: nn.Module
+    index: int
+    saved: list[Any]  # (name, tensor): forward, copies before the call; recompute, the reals
+    state: Any  # forward: the snapshot; recompute: the state to put back
+
+
+_NONE = object()
+_SELF_GUARDED: set[Callable[..., Any]] = set()
+# _class_kind's answers by id(class), each beside a weak reference to its class whose
+# callback removes the entry when the class goes: classes made at run time can go,
+# and an id is never reused while its entry is here. (A WeakKeyDictionary makes a
+# weak reference at every lookup, and the guard looks up every module call.)
+_CLASSES: dict[int, tuple[bool | None, weakref.ref[type]]] = {}
+
+
+def self_guarded(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a forward that keeps its module's buffers itself (scoped batch norm)."""
+    _SELF_GUARDED.add(forward)
+    _CLASSES.clear()
+    return forward
+
+
+def _stateful_class(cls: type) -> bool:
+    return callable(getattr(cls, "scopedckpt_restore", None))
+
+
+def _stateful(module: nn.Module) -> bool:
+    return _stateful_class(type(module))
+
+
+def _snapshot(module: nn.Module) -> Any:
+    return getattr(module, "scopedckpt_state")()  # noqa: B009 - nn.Module's __getattr__ types it as a Tensor
+
+
+def _restore(module: nn.Module, state: Any) -> None:
+    getattr(module, "scopedckpt_restore")(state)  # noqa: B009
+
+
+def _class_kind(cls: type) -> bool | None:
+    """Per class: None if its forward guards itself, else whether it is :class:`Stateful`.
+
+    Cached, since the global hook asks at every module call of a first forward.
+    Whether an instance has buffers is asked of the instance each time: buffers
+    come and go (a module may register one after construction).
+    """
+    entry = _CLASSES.get(id(cls))
+    if entry is not None:
+        return entry[0]
+    kind = None if getattr(cls, "forward", None) in _SELF_GUARDED else _stateful_class(cls)
+    _CLASSES[id(cls)] = (kind, weakref.ref(cls, functools.partial(_forget_class, id(cls))))
+    return kind
+
+
+def _forget_class(key: int, _: object) -> None:
+    _CLASSES.pop(key, None)
+
+
+def guarded(module: nn.Module) -> bool:
+    """Whether calls of ``module`` are guarded: it has buffers or is Stateful, and its
+    forward does not guard itself."""
+    entry = _CLASSES.get(id(type(module)))
+    kind = entry[0] if entry is not None else _class_kind(type(module))
+    return kind is not None and (kind or bool(module_buffers(module)))
+
+
+def _same(a: Any, b: Tensor) -> bool:
+    return isinstance(a, Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def count_call(frame: Frame, module: nn.Module) -> int:
+    """How many calls of ``module`` came before this one in the frame (and count this one)."""
+    index = frame.calls.get(id(module), 0)
+    frame.calls[id(module)] = index + 1
+    return index
+
+
+def enter(frame: Frame, module: nn.Module) -> int:
+    """Before a guarded call: copy its state (forward) or swap in the recorded one.
+
+    Returns the call's index (how many calls of the module came before it)."""
+    if frame.tape.verifying is not None:
+        not_verified_statistics(module)  # the real ones now, the swapped copies below
+    index = count_call(frame, module)
+    stateful = _stateful(module)
+    if frame.phase is not RECOMPUTE:
+        saved = [(n, b.clone()) for n, b in module_buffers(module).items() if b is not None]
+        state = _snapshot(module) if stateful else _NONE
+        frame.tape.states[(id(module), index)] = ModuleState(module, saved, state)
+        if frame.scope.strict:  # checked after the call (exit_)
+            frame.guards.append(GuardEntry(module, index, saved, state))
+        return index
+    record: ModuleState | None = frame.tape.states.get((id(module), index))
+    if record is None:
+        raise ScopedCkptError(
+            f"scopedckpt: the recompute of {frame_region_name(frame)} called "
+            f"{type(module).__name__} more often than its first forward: move data-dependent "
+            "branches out of it.\n"
+            f"Its call {index + 1} of {module_path(module, frame)}, a module with buffers or "
+            "state, has no state to recompute it from. The region's control flow must not "
+            "depend on data that changes between forward and backward."
+        )
+    swapped: list[Any] = []
+    for name, before in record.buffers:
+        swapped.append((name, module_buffers(module).get(name)))
+        # A copy: a later recompute needs `before` again.
+        module_buffers(module)[name] = before.clone()
+    if frame.tape.verifying is not None:
+        not_verified_statistics(module)
+    current = _NONE
+    if record.state is not _NONE:
+        current = _snapshot(module)
+        _restore(module, record.state)
+    frame.guards.append(GuardEntry(module, index, swapped, current))
+    return index
+
+
+def initialize_lazy(frame: Frame, module: nn.Module, args: tuple[Any, ...]) -> None:
+    """Initialize a lazy module at its first call, before the guard copies its buffers.
+
+    torch's lazy modules (``nn.LazyBatchNorm1d``) hold ``UninitializedBuffer``
+    placeholders until their own forward pre-hook initializes them from the
+    first input, and that hook runs after this guard's global one: there is
+    nothing to copy yet. So the guard calls ``initialize_parameters`` itself,
+    with the same input, at the same point (module hooks run one after the
+    other), and the module's own hook then finds it initialized (torch's lazy
+    modules check ``has_uninitialized_params()`` first, as torch's docs ask
+    of every lazy module).
+    """
+    if not any(is_lazy(b) for b in module_buffers(module).values() if b is not None):
+        return
+    initialize = getattr(module, "initialize_parameters", None)
+    if not callable(initialize) or not args:
+        raise ScopedCkptError(
+            f"scopedckpt: a lazy {type(module).__name__} was first called in "
+            f"{frame_region_name(frame)}: call the model once outside checkpointing first.\n"
+            f"{module_path(module, frame)} has uninitialized (lazy) buffers at its first call, "
+            "inside a checkpoint region, and the buffer guard cannot initialize it (no "
+            "initialize_parameters method, or no positional input to initialize it from), so "
+            "there is no state to recompute it from. Call the model once outside "
+            "checkpointing first, as torch asks before building an optimizer over lazy "
+            "modules."
+        )
+    initialize(*args)  # as torch's own hook calls it (global hooks get no keywords)
+
+
+def exit_(frame: Frame, module: nn.Module) -> None:
+    """After a guarded call: strict mode's check (forward) or put the reals back."""
+    if frame.phase is not RECOMPUTE:
+        if frame.scope.strict:
+            _refuse_changes(frame, module, frame.guards.pop())
+        return
+    _put_back(frame.guards.pop())
+
+
+def _refuse_changes(frame: Frame, module: nn.Module, entry: GuardEntry) -> None:
+    """Strict mode: a module changing its buffers in a region is not on the fast path."""
+    buffers = module_buffers(module)
+    changed = [name for name, copy in entry.saved if not _same(buffers.get(name), copy)]
+    if changed:
+        raise ScopedCkptError(
+            f"scopedckpt: strict mode found {module_path(module, frame)} changing buffers in "
+            "a region: use a scoped layer or turn strict off.\n"
+            f"It changed {', '.join(changed)} in {frame_region_name(frame)}. The buffer guard "
+            "keeps the recompute from changing them again, at the cost of a copy per call; "
+            "strict mode asks for scoped layers instead. Replace it with a scoped layer "
+            "(scopedckpt.convert(model) converts torch's batch norms), or turn strict off."
+        )
+
+
+def _put_back(entry: GuardEntry) -> None:
+    for name, real in entry.saved:
+        module_buffers(entry.module)[name] = real
+    if entry.state is not _NONE:
+        _restore(entry.module, entry.state)
+
+
+def unwind(frame: Frame) -> None:
+    """Leave no swapped buffer behind when a frame ends early (error, early stop)."""
+    while frame.guards:
+        entry = frame.guards.pop()
+        if frame.phase is RECOMPUTE:
+            _put_back(entry)

@@ -1,0 +1,405 @@
+"""``scopedckpt.memory_report()``: what each region keeps, frees and costs.
+
+NOTE [ memory report ]
+======================
+A region trades memory for time: instead of the tensors its ops save for
+backward it keeps only its inputs (and its tape), and it pays a recompute.
+The report measures both sides per region, while a ``memory_report()`` block
+is open (in any thread: a recompute runs in backward, possibly elsewhere):
+
+* *freed*: the bytes of the tensors the region's ops saved for backward in its
+  first forward, which torch's checkpoint drops and the recompute rebuilds.
+  They are seen by wrapping the saved-tensor pack hook torch's checkpoint
+  installs around the region (our hook calls torch's, so checkpointing is
+  unchanged). Counted once per storage. Not counted, since they stay alive
+  anyway: the region's inputs, parameters (and views of them, such as the
+  transposed weight a linear layer saves) and, when the region is a module's
+  forward, that module's parameters and buffers.
+* *kept*: the region's input tensors (once per storage; parameters excluded),
+  plus what its tape holds for the recompute: the generators' states of the
+  RNG replay, the buffer guard's copies, the op outputs a ``save=`` policy
+  keeps and small channel-wise dropout noise (moved from *freed* where the ops
+  also saved them for backward).
+* *records*: the scoped-layer decisions on the tape (a dropout seed, a batch
+  norm mode: a few bytes each).
+* *recompute time*: wall time inside each recompute, from the moment its frame
+  is entered to its exit.
+
+A nested region is its own row, and its parent's *freed* also counts what the
+nested region's ops saved (they are saved through the parent's hooks).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..core._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape
+from ..core._torch_private import base_of, module_buffers, top_saved_tensors_hooks
+
+__all__ = [
+    "FRAME_PHASES",
+    "MemoryReport",
+    "RegionStats",
+    "enter_frame",
+    "memory_report",
+    "start_region",
+]
+
+_LOCK = threading.Lock()
+_ACTIVE: list[MemoryReport] = []
+
+
+@dataclass
+class RegionStats:
+    """The counts of one region (one first forward and its recomputes)."""
+
+    name: str
+    kept_bytes: int = 0
+    freed_bytes: int = 0
+    records: int = 0
+    recomputes: int = 0
+    recompute_seconds: float = 0.0
+    verified: int = 0  # recomputed tensors compared bit for bit (determinism_check="bitwise")
+    _seen: dict[int, Any] = field(default_factory=dict, repr=False)  # see _new_storage_bytes
+    _buffers: frozenset[int] = field(default=frozenset(), repr=False)  # the owner's buffer storages
+    _freed: dict[int, int] = field(default_factory=dict, repr=False)  # storage -> bytes freed
+
+
+@dataclass
+class MemoryReport:
+    """The regions a :func:`memory_report` block saw, one row per region name.
+
+    ``rows`` is a list of JSON-serialisable dicts; ``str(report)`` is a table.
+    """
+
+    regions: list[RegionStats] = field(default_factory=list)
+    root: Any = None  # the model regions are named in
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per region name (a module's qualified name or a function's name)."""
+        rows: dict[str, dict[str, Any]] = {}
+        with _LOCK:
+            regions = list(self.regions)
+        for stats in regions:
+            row = rows.setdefault(
+                stats.name,
+                {
+                    "region": stats.name,
+                    "calls": 0,
+                    "recomputes": 0,
+                    "kept_bytes": 0,
+                    "freed_bytes": 0,
+                    "records": 0,
+                    "recompute_seconds": 0.0,
+                    "verified": 0,
+                },
+            )
+            row["calls"] += 1
+            row["recomputes"] += stats.recomputes
+            row["kept_bytes"] += stats.kept_bytes
+            row["freed_bytes"] += stats.freed_bytes
+            row["records"] += stats.records
+            row["recompute_seconds"] += stats.recompute_seconds
+            row["verified"] += stats.verified
+        return list(rows.values())
+
+    @property
+    def totals(self) -> dict[str, Any]:
+        """The sums over every row."""
+        rows = self.rows
+        total: dict[str, Any] = {"region": "total"}
+        for key in ("calls", "recomputes", "kept_bytes", "freed_bytes", "records", "verified"):
+            total[key] = sum(row[key] for row in rows)
+        total["recompute_seconds"] = sum(row["recompute_seconds"] for row in rows)
+        return total
+
+    def __str__(self) -> str:
+        rows = self.rows
+        if not rows:
+            return "memory_report: no checkpoint region ran"
+        header: tuple[str, ...] = (
+            "region", "calls", "recomputes", "kept", "freed", "records", "recompute"
+        )  # fmt: skip
+        if any(row["verified"] for row in rows):
+            header += ("verified",)
+        lines = [
+            (
+                row["region"],
+                str(row["calls"]),
+                str(row["recomputes"]),
+                _size(row["kept_bytes"]),
+                _size(row["freed_bytes"]),
+                str(row["records"]),
+                f"{row['recompute_seconds'] * 1e3:.2f} ms",
+                str(row["verified"]),
+            )[: len(header)]
+            for row in [*rows, self.totals]
+        ]
+        widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
+
+        def fmt(cells: Iterable[str]) -> str:
+            parts = []
+            for i, cell in enumerate(cells):
+                parts.append(cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]))
+            return "  ".join(parts).rstrip()
+
+        rule = "  ".join("-" * w for w in widths)
+        return "\n".join([fmt(header), rule, *map(fmt, lines[:-1]), rule, fmt(lines[-1])])
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024 or unit == "MiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError("unreachable")
+
+
+@contextmanager
+def memory_report(root: torch.nn.Module | None = None) -> Iterator[MemoryReport]:
+    """Measure every checkpoint region that starts inside the block.
+
+    Wrap one or more training steps, backward included (recomputes are
+    counted when they run). The cost is one Python call per tensor a region's
+    ops save; see NOTE [ memory report ] for what each column counts.
+
+    Parameters
+    ----------
+    root
+        The model whose qualified module names name the rows (else the
+        ``checkpointing(root=...)`` of the region's scope; else the module's
+        class name, so that blocks of one class share a row). Regions made by
+        :func:`scopedckpt.checkpoint` are named by the function's name.
+
+    Yields
+    ------
+    MemoryReport
+        Filled in while the block runs; read it after (``str(report)``,
+        ``report.rows``, ``report.totals``).
+
+    Example
+    -------
+    >>> import torch, scopedckpt
+    >>> block = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+    >>> model = torch.nn.Sequential(block, torch.nn.Linear(64, 1))
+    >>> x = torch.randn(32, 64, requires_grad=True)
+    >>> with scopedckpt.memory_report(root=model) as report:
+    ...     with scopedckpt.checkpointing(model[0]):
+    ...         loss = model(x).sum()
+    ...     loss.backward()
+    >>> [(row["region"], row["calls"], row["recomputes"]) for row in report.rows]
+    [('0', 1, 1)]
+    >>> report.rows[0]["freed_bytes"]   # the Linear output GELU saved: 32 x 64 floats
+    8192
+    """
+    report = MemoryReport(root=root)
+    with _LOCK:
+        _ACTIVE.append(report)
+    try:
+        yield report
+    finally:
+        with _LOCK:
+            _ACTIVE.remove(report)
+
+
+def start(
+    owner: object | None, label: object, root: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> RegionStats | None:
+    """A region's first forward begins: its stats, if a report is open."""
+    if not _ACTIVE:
+        return None
+    stats = RegionStats(_name(owner, label, root or _ACTIVE[-1].root))
+    for tensor in _tensors(args, kwargs):
+        stats.kept_bytes += _new_storage_bytes(stats._seen, tensor)
+    module = owner if owner is not None else label
+    if isinstance(module, torch.nn.Module):
+        # Its buffers stay alive whatever the region saves (parameters too: the
+        # pack hook tells them by type). A plain set: these live longer than
+        # the report, so they need no weak references (which cost more than the
+        # rest of this function on small blocks).
+        stats._buffers = _buffer_storages(module)
+    with _LOCK:
+        for report in _ACTIVE:
+            report.regions.append(stats)
+    return stats
+
+
+def _buffer_storages(module: torch.nn.Module) -> frozenset[int]:
+    """The storages of every buffer of ``module`` and its submodules.
+
+    Walks ``children()`` rather than ``buffers()``, whose qualified names a
+    region per block paid for at every step.
+    """
+    storages: set[int] = set()
+    pending, visited = [module], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in visited:
+            continue
+        visited.add(id(current))
+        for buffer in module_buffers(current).values():
+            if buffer is not None and buffer.layout is torch.strided:
+                storages.add(buffer.untyped_storage().data_ptr())
+        pending.extend(current.children())
+    return frozenset(storages)
+
+
+def _name(owner: object | None, label: object, root: Any) -> str:
+    """A module's qualified name in ``root`` (else its class name), or a function's name."""
+    if owner is not None:
+        if root is not None:
+            for name, module in root.named_modules():
+                if module is owner:
+                    return name or "<root>"
+        return type(owner).__name__
+    name = getattr(label, "__qualname__", None) or getattr(label, "__name__", None)
+    return str(name) if name else type(label).__name__
+
+
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+            yield value
+
+
+def _new_storage_bytes(seen: dict[int, Any], tensor: torch.Tensor) -> int:
+    """``tensor``'s storage size if ``seen`` has not counted that storage yet.
+
+    Storages are keyed by address and forgotten when they are freed: inside a
+    region saved tensors are not kept alive, so a later tensor may reuse the
+    address of a freed one, and must count as new.
+    """
+    if tensor.layout is not torch.strided or tensor.device.type == "meta":
+        return 0
+    storage = tensor.untyped_storage()
+    key = storage.data_ptr()
+    if key in seen or key == 0:
+        return 0
+    seen[key] = weakref.ref(storage, functools.partial(_forget, seen, key))
+    return storage.nbytes()
+
+
+def _forget(seen: dict[int, Any], key: int, _: object) -> None:
+    seen.pop(key, None)
+
+
+class counting_saved_tensors:  # noqa: N801 - used like torch's saved_tensors_hooks
+    """Count the tensors a region's first forward saves, then hand them to torch's hook."""
+
+    def __init__(self, stats: RegionStats) -> None:
+        self._stats = stats
+        self._hooks: Any = None
+
+    def __enter__(self) -> None:
+        top = top_saved_tensors_hooks()
+        if top is None:  # not inside torch's checkpoint: nothing to count
+            return
+        pack, unpack = top
+        stats = self._stats
+
+        seen = stats._seen
+        buffers = stats._buffers
+        freed = stats._freed
+        parameter, plain = torch.nn.Parameter, torch.Tensor
+
+        def counting_pack(tensor: torch.Tensor) -> Any:
+            # Runs for every saved tensor: the common case (seen, or a weight)
+            # returns before any call.
+            base = base_of(tensor)
+            owner = tensor if base is None else base  # a weight, or its transpose
+            # isinstance(x, Parameter) runs Python (Parameter's metaclass) for
+            # every plain tensor: tell those apart by type first.
+            kind = type(owner)
+            if kind is not parameter and (kind is plain or not isinstance(owner, parameter)):
+                key = tensor.untyped_storage().data_ptr()
+                if key not in seen and key not in buffers:
+                    counted = _new_storage_bytes(seen, tensor)
+                    stats.freed_bytes += counted
+                    freed[key] = counted
+            return pack(tensor)
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(counting_pack, unpack)
+        self._hooks.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+            self._hooks = None
+
+
+def finish_forward(stats: RegionStats, tape: Tape) -> None:
+    """The first forward ended: add what the tape keeps."""
+    stats.records = len(tape.records)
+    if tape.rng is not None:
+        stats.kept_bytes += tape.rng.cpu.nbytes
+        stats.kept_bytes += sum(state.nbytes for _, state in tape.rng.devices)
+    for state in tape.states.values():
+        stats.kept_bytes += sum(tensor.nbytes for _, tensor in state.buffers)
+    kept = [  # channel-wise dropout noise (NOTE [ noise on the tape ] in _dropout.py)
+        value
+        for record in tape.records
+        if type(record.value) is tuple
+        for value in record.value
+        if isinstance(value, torch.Tensor)
+    ]
+    if tape.saved is not None:  # outputs kept by save= (NOTE [ selective saving ])
+        kept += tape.saved.tensors()
+    for tensor in kept:
+        key = tensor.untyped_storage().data_ptr()
+        counted = stats._freed.pop(key, None)
+        if counted is not None and key in stats._seen:
+            # Saved for backward and kept on the tape: not freed after all.
+            stats.freed_bytes -= counted
+            stats.kept_bytes += counted
+        else:
+            stats.kept_bytes += _new_storage_bytes(stats._seen, tensor)
+
+
+def recomputed(stats: RegionStats, seconds: float) -> None:
+    stats.recomputes += 1
+    stats.recompute_seconds += seconds
+
+
+now = time.perf_counter
+
+# The phases of the frames enter_frame acts in.
+FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
+
+
+def start_region(tape: Tape, call: RegionCall) -> bool:
+    """A region starts: its row, if a report is open."""
+    if not _ACTIVE:
+        return False
+    tape.stats = start(call.owner, call.label, call.scope.root, call.args, call.kwargs)
+    return tape.stats is not None
+
+
+def enter_frame(frame: Frame) -> Callable[..., None] | None:
+    """Count what a first forward saves, time a recompute; returns what records it."""
+    stats = frame.tape.stats
+    assert stats is not None  # start_region said so
+    if frame.phase is FORWARD:
+        counting = counting_saved_tensors(stats)
+        counting.__enter__()
+
+        def finish(*exc: object) -> None:
+            counting.__exit__(*exc)
+            finish_forward(stats, frame.tape)
+
+        return finish
+    began = now()
+
+    def timed(*exc: object) -> None:
+        recomputed(stats, now() - began)
+
+    return timed

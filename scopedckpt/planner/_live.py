@@ -1,0 +1,183 @@
+"""Live tensor bytes of a training step, counted below autograd: every storage an op
+creates, from its creation until it is freed, with the block that created it.
+
+NOTE [ live bytes ]
+===================
+The planner's unit of memory is what ``torch.cuda.max_memory_allocated`` shows
+minus what was allocated before the step, on any device, CPU included (where
+the process's resident size says little: glibc serves large blocks by ``mmap``
+and keeps freed small ones). :class:`LiveBytes` is a dispatch mode that sees
+every aten op below autograd, the backward's and the recompute's included (on
+the thread that runs it), and counts each new storage an op returns by its
+``nbytes`` until the storage is freed: torch keeps one Python object per live
+storage, so a weak reference to it dies exactly when the storage does. Views
+and in-place results (ops whose schema returns an alias of an argument) share
+their argument's storage and add nothing (a view of a parameter is the
+parameter), except that an op writing into a counted tensor may have enlarged
+its storage (``out=`` ops, ``resize_``), which counts the growth. What no op
+creates (tensors made before the mode, parameters, the allocator's rounding
+and caching) is not counted: it is the model's resting state, or the
+allocator's business.
+
+Each storage is charged to the block whose forward created it (``tag``), so
+what a block keeps for backward is the bytes of its storages still alive when
+the forward ends: an additive split, since a storage has one creator.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ..core._torch_private import TorchDispatchMode, op_schema_facts
+
+__all__ = ["OUTSIDE", "LiveBytes", "storages"]
+
+OUTSIDE = -1  # the tag of storages created outside every block
+
+OpObserver = Callable[[Any, Any, float], None]
+OpWatcher = Callable[[Any, tuple[Any, ...], dict[str, Any]], None]
+FreeWatcher = Callable[[int, int], None]
+
+
+def storages(value: Any) -> Iterator[torch.UntypedStorage]:
+    """The storages of the dense tensors in an op's output (a tensor, or nested
+    tuples and lists of them)."""
+    if isinstance(value, torch.Tensor):
+        if value.layout is torch.strided and value.device.type != "meta":
+            yield value.untyped_storage()
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from storages(item)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Count the bytes of the storages ops create, live and at their peak.
+
+    Attributes
+    ----------
+    live
+        Bytes of the counted storages alive now.
+    peak
+        The most ``live`` has been since the last :meth:`restart_peak`.
+    tag
+        The creator charged for the storages made from now on.
+    by_tag
+        Live bytes per creator.
+
+    Example
+    -------
+    >>> import torch
+    >>> with LiveBytes() as counter:
+    ...     y = torch.ones(256).exp()      # ones: 1 KiB, exp: 1 KiB
+    ...     del y
+    >>> counter.live, counter.peak
+    (0, 2048)
+    """
+
+    def __init__(
+        self,
+        observe: OpObserver | None = None,
+        before: OpWatcher | None = None,
+        freed: FreeWatcher | None = None,
+    ) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.ops = 0  # ops seen
+        self.tag = OUTSIDE
+        self.by_tag: dict[int, int] = {}
+        self.observe = observe  # called (func, output, seconds) after every op
+        self.before = before  # called (func, args, kwargs) before every op
+        self.freed = freed  # called (serial, bytes) when a counted storage is freed
+        self._lock = threading.Lock()
+        self._serial = 0
+        self._aliasing: dict[Any, bool] = {}  # op -> whether it returns an argument's alias
+        # id(storage object) -> (weak reference, bytes counted, creator's tag, serial)
+        self._counted: dict[int, tuple[weakref.ref[Any], int, int, int]] = {}
+
+    def restart_peak(self) -> None:
+        """Start a new peak from the bytes live now."""
+        self.peak = self.live
+
+    def tag_of(self, storage: torch.UntypedStorage) -> int | None:
+        """The creator of a counted storage, or None if it is not counted."""
+        entry = self._counted.get(id(storage))
+        return None if entry is None else entry[2]
+
+    def bytes_of(self, storage: torch.UntypedStorage) -> int:
+        """The bytes counted for a storage (0 if it is not counted)."""
+        entry = self._counted.get(id(storage))
+        return 0 if entry is None else entry[1]
+
+    def serial_of(self, storage: torch.UntypedStorage) -> int | None:
+        """A number no other counted storage had or will have (ids are reused)."""
+        entry = self._counted.get(id(storage))
+        return None if entry is None else entry[3]
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        self.ops += 1
+        if self.before is not None:
+            self.before(func, args, kwargs)
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        aliasing = self._aliasing.get(func)
+        if aliasing is None:
+            aliasing = self._aliasing[func] = op_schema_facts(func)[1]
+        for storage in storages(out):
+            # A view or an in-place result is its argument's storage: nothing new, but a
+            # counted one may have grown (out= ops, resize_).
+            self._count(storage, new=not aliasing)
+        if self.observe is not None:
+            self.observe(func, out, seconds)
+        return out
+
+    def _count(self, storage: torch.UntypedStorage, new: bool) -> None:
+        key = id(storage)
+        nbytes = storage.nbytes()
+        with self._lock:
+            entry = self._counted.get(key)
+            if entry is None and not new:
+                return
+            if entry is not None:
+                grown = nbytes - entry[1]  # resized in place (out= ops, resize_)
+                if grown <= 0:
+                    return
+                self._counted[key] = (entry[0], nbytes, entry[2], entry[3])
+                tag = entry[2]
+            else:
+                grown, tag = nbytes, self.tag
+                ref = weakref.ref(storage, self._freed_callback(key))
+                self._serial += 1
+                self._counted[key] = (ref, nbytes, tag, self._serial)
+            self.live += grown
+            self.by_tag[tag] = self.by_tag.get(tag, 0) + grown
+            if self.live > self.peak:
+                self.peak = self.live
+
+    def _freed_callback(self, key: int) -> Callable[[Any], None]:
+        # A weak reference to self: a storage outliving the counter must not keep it.
+        me = weakref.ref(self)
+
+        def freed(_: object) -> None:
+            counter = me()
+            if counter is None:
+                return
+            with counter._lock:
+                entry = counter._counted.pop(key, None)
+                if entry is not None:
+                    counter.live -= entry[1]
+                    counter.by_tag[entry[2]] -= entry[1]
+            if entry is not None and counter.freed is not None:
+                counter.freed(entry[3], entry[1])
+
+        return freed

@@ -1,0 +1,348 @@
+"""``scopedckpt.plan()``: which blocks to recompute, and how, to fit a memory budget
+fastest; and the :class:`Plan` that ``checkpointing(plan)`` applies.
+
+A plan only picks, per block, no region, a full region or a region with a
+``save=`` preset: each of those is exact, so training under any plan is
+bit-for-bit training without checkpointing. docs/memory-budget.md says how to
+pick a budget and what the table means; NOTE [ peak model ] (``_profile.py``)
+and NOTE [ planning as a dynamic program ] (``_solve.py``) say how it is made.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core._errors import ScopedCkptError
+from ..core._names import article
+from ._blocks import candidates
+from ._budget import format_bytes, parse_budget
+from ._profile import PRESETS, Profile, default_loss, profile_step
+from ._solve import solve
+
+__all__ = ["Plan", "PlannedBlock", "choose", "format_table", "plan"]
+
+_FORMAT = 1  # the version of Plan.to_json's format
+
+
+@dataclass(frozen=True)
+class PlannedBlock:
+    """One block of a :class:`Plan`: what it runs as, keeps and costs."""
+
+    name: str  # qualified name in the model
+    kind: str  # class name
+    choice: str  # "none", "full" or a preset of scopedckpt.policies ("matmuls", ...)
+    kept_bytes: int  # predicted bytes kept from its forward to its backward
+    recompute_seconds: float  # predicted time added to a step
+    module: nn.Module | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which blocks are regions, and with which ``save=`` preset, for one memory budget.
+
+    Made by :func:`plan`; applied by ``checkpointing(plan)``; printed as a table;
+    stored with :meth:`to_json` and loaded with :meth:`from_json`. All sizes are
+    bytes as NOTE [ live bytes ] counts them; times are seconds.
+
+    Example
+    -------
+    >>> import torch, scopedckpt
+    >>> model = torch.nn.Sequential(*[torch.nn.Sequential(
+    ...     torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(4)])
+    >>> x = torch.randn(512, 64)
+    >>> plan = scopedckpt.plan(model, x, budget=0.75)
+    >>> plan.peak <= plan.budget
+    True
+    >>> with scopedckpt.checkpointing(plan):
+    ...     loss = model(x).sum()
+    >>> loss.backward()
+    """
+
+    blocks: tuple[PlannedBlock, ...]
+    budget: int
+    peak: int  # predicted peak of a step under the plan
+    no_checkpoint_peak: int
+    smallest_budget: int
+    step_seconds: float  # a step without checkpointing, as timed while planning
+    added_seconds: float  # predicted
+    optimal: bool
+    unused: tuple[str, ...] = ()  # candidate blocks the example step did not run
+    planning_seconds: float = 0.0
+    model: nn.Module | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def regions(self) -> list[tuple[nn.Module, tuple[Any, ...] | None]]:
+        """The blocks that are regions, each with its ``save=`` items (None: full)."""
+        chosen = []
+        for block in self.blocks:
+            if block.choice == "none":
+                continue
+            if block.module is None:
+                raise ScopedCkptError(
+                    "scopedckpt: this plan is not bound to a model; load it with "
+                    "Plan.from_json(text, model)."
+                )
+            chosen.append((block.module, None if block.choice == "full" else PRESETS[block.choice]))
+        return chosen
+
+    def __checkpoint_regions__(
+        self,
+    ) -> tuple[nn.Module | None, list[tuple[nn.Module, tuple[Any, ...] | None]]]:
+        """What ``checkpointing(plan)`` reads: the model, and :attr:`regions`."""
+        return self.model, self.regions
+
+    @property
+    def overhead(self) -> float:
+        """Predicted step time under the plan over the step without checkpointing."""
+        return (self.step_seconds + self.added_seconds) / max(self.step_seconds, 1e-12)
+
+    def __str__(self) -> str:
+        return format_table(self)
+
+    def to_json(self) -> str:
+        """The plan as JSON, to store and reuse with :meth:`from_json`."""
+        return json.dumps(
+            {
+                "scopedckpt_plan": _FORMAT,
+                "torch": torch.__version__,
+                "budget": self.budget,
+                "peak": self.peak,
+                "no_checkpoint_peak": self.no_checkpoint_peak,
+                "smallest_budget": self.smallest_budget,
+                "step_seconds": self.step_seconds,
+                "added_seconds": self.added_seconds,
+                "optimal": self.optimal,
+                "unused": list(self.unused),
+                "blocks": [
+                    {
+                        "name": b.name,
+                        "class": b.kind,
+                        "choice": b.choice,
+                        "kept_bytes": b.kept_bytes,
+                        "recompute_seconds": b.recompute_seconds,
+                    }
+                    for b in self.blocks
+                ],
+            },
+            indent=1,
+        )
+
+    def bind(self, model: nn.Module) -> Plan:
+        """The same plan for another model with the same blocks (a copy of the model, a
+        fresh instance of its class): blocks are found by their qualified names."""
+        return Plan.from_json(self.to_json(), model)
+
+    @classmethod
+    def from_json(cls, text: str, model: nn.Module) -> Plan:
+        """A plan stored by :meth:`to_json`, bound to ``model``, whose blocks must still
+        be there, with the same classes."""
+        data = json.loads(text)
+        if not isinstance(data, Mapping) or data.get("scopedckpt_plan") != _FORMAT:
+            raise ScopedCkptError(
+                "scopedckpt: Plan.from_json() was given no plan of this scopedckpt version "
+                f"(format {_FORMAT}); make the plan again with scopedckpt.plan()."
+            )
+        blocks = []
+        for entry in data["blocks"]:
+            name, kind = entry["name"], entry["class"]
+            try:
+                module = model.get_submodule(name)
+            except AttributeError:
+                module = None
+            if module is None or type(module).__name__ != kind:
+                found = "nothing" if module is None else article(type(module).__name__)
+                raise ScopedCkptError(
+                    f"scopedckpt: the plan's block {name!r} is {article(kind)}, but the model has "
+                    f"{found} there: the plan was made for another model. Make it again "
+                    "with scopedckpt.plan() on this one."
+                )
+            if entry["choice"] not in ("none", "full", *PRESETS):
+                raise ScopedCkptError(
+                    f"scopedckpt: the plan's block {name!r} has an unknown choice "
+                    f"{entry['choice']!r}."
+                )
+            blocks.append(
+                PlannedBlock(
+                    name,
+                    kind,
+                    entry["choice"],
+                    int(entry["kept_bytes"]),
+                    float(entry["recompute_seconds"]),
+                    module,
+                )
+            )
+        return cls(
+            tuple(blocks),
+            int(data["budget"]),
+            int(data["peak"]),
+            int(data["no_checkpoint_peak"]),
+            int(data["smallest_budget"]),
+            float(data["step_seconds"]),
+            float(data["added_seconds"]),
+            bool(data["optimal"]),
+            tuple(data.get("unused", ())),
+            0.0,
+            model,
+        )
+
+
+def plan(
+    model: nn.Module,
+    *example_inputs: Any,
+    budget: int | float | str,
+    blocks: Any = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+) -> Plan:
+    """Plan the fastest checkpointing of ``model`` whose step fits ``budget``.
+
+    Runs two training steps on the example inputs (one counting every tensor's
+    bytes, one timed) and leaves no trace: parameters, gradients, buffers and
+    random streams are bit for bit as before. Then it chooses, per block, no
+    region, a full region or a region with a ``save=`` preset, minimizing the
+    predicted added time with the predicted peak within the budget (optimal for
+    the peak model: NOTE [ planning as a dynamic program ]).
+
+    Parameters
+    ----------
+    model
+        The model, in the mode it trains in (``model.train()``).
+    *example_inputs
+        Positional inputs of one step, at the shapes training uses.
+    budget
+        The step's peak memory above the model's resting state: what
+        ``torch.cuda.max_memory_allocated()`` shows minus what was allocated
+        before the step (activations, gradients, temporaries). Bytes (int), a
+        size (``"512MiB"``, ``"3GB"``) or a float in (0, 1]: that fraction of
+        the peak without checkpointing.
+    blocks
+        The candidate regions, in any form ``checkpointing()`` takes as targets
+        (a module, an ``nn.ModuleList``, a class, a list of them); default:
+        :func:`scopedckpt.planner._blocks.find_blocks`.
+    loss_fn
+        From the model's output to the loss; default: its ``loss`` attribute,
+        else the sum of its first floating tensor.
+    example_kwargs
+        Keyword inputs of the step (Hugging Face's ``labels=``...).
+
+    Returns
+    -------
+    Plan
+
+    Raises
+    ------
+    ScopedCkptError
+        If the budget is below the smallest peak any plan reaches (the message
+        says that smallest budget), or the blocks run twice or nest.
+
+    Example
+    -------
+    >>> import torch, scopedckpt
+    >>> model = torch.nn.Sequential(*[torch.nn.Sequential(
+    ...     torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(4)])
+    >>> plan = scopedckpt.plan(model, torch.randn(32, 64), budget=1.0)
+    >>> [b.choice for b in plan.blocks]      # the whole budget: no regions
+    ['none', 'none', 'none', 'none']
+    """
+    kwargs = dict(example_kwargs or {})
+    profile = profile_step(
+        model, candidates(model, blocks), tuple(example_inputs), kwargs, loss_fn or default_loss
+    )
+    limit = parse_budget(budget, profile.peak)
+    return choose(profile, limit, model)
+
+
+def choose(profile: Profile, budget: int, model: nn.Module | None) -> Plan:
+    """The plan for ``budget`` from a profile (:func:`plan` without the profiling)."""
+    floors = profile.floors
+    options = [block.choices for block in profile.blocks]
+    smallest = solve(floors, options, float("inf"), minimize="peak")
+    assert smallest is not None  # no budget: "none" everywhere is feasible
+    solution = solve(floors, options, budget)
+    if solution is None:
+        raise ScopedCkptError(
+            f"scopedckpt: no plan fits a budget of {format_bytes(budget)}: the smallest "
+            f"peak any plan of these blocks reaches is {format_bytes(smallest.peak)} "
+            f"(without checkpointing: {format_bytes(profile.peak)}). Pass "
+            f"budget={smallest.peak} or more, smaller inputs, or finer blocks= (blocks "
+            "that each keep less)."
+        )
+    planned = []
+    for block, choice in zip(profile.blocks, solution.choices):
+        option = block.choices[choice]
+        planned.append(
+            PlannedBlock(
+                block.name,
+                type(block.module).__name__,
+                option.name,
+                option.kept,
+                option.seconds,
+                block.module,
+            )
+        )
+    return Plan(
+        tuple(planned),
+        budget,
+        solution.peak,
+        profile.peak,
+        smallest.peak,
+        profile.step_seconds,
+        solution.seconds,
+        solution.optimal and smallest.optimal,
+        profile.unused,
+        profile.seconds,
+        model,
+    )
+
+
+def format_table(plan: Plan) -> str:
+    """The plan as a table per block, with totals, the predicted peak and step time."""
+    header = ("block", "class", "choice", "kept", "recompute")
+    rows = [
+        (
+            b.name,
+            b.kind,
+            b.choice,
+            format_bytes(b.kept_bytes),
+            f"{b.recompute_seconds * 1e3:.2f} ms",
+        )
+        for b in plan.blocks
+    ]
+    regions = sum(b.choice != "none" for b in plan.blocks)
+    rows.append(
+        (
+            "total",
+            "",
+            f"{regions} region{'s' * (regions != 1)}",
+            format_bytes(sum(b.kept_bytes for b in plan.blocks)),
+            f"{plan.added_seconds * 1e3:.2f} ms",
+        )
+    )
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "  ".join(
+            c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        )
+
+    rule = line(tuple("-" * w for w in widths))
+    table = [line(header), rule, *map(line, rows[:-1]), rule, line(rows[-1])]
+    table.append(
+        f"budget {format_bytes(plan.budget)}; predicted peak {format_bytes(plan.peak)} "
+        f"(no checkpointing: {format_bytes(plan.no_checkpoint_peak)}, smallest feasible: "
+        f"{format_bytes(plan.smallest_budget)})"
+    )
+    table.append(
+        f"predicted step time {plan.overhead:.2f}x the step without checkpointing "
+        f"({plan.step_seconds * 1e3:.1f} ms + {plan.added_seconds * 1e3:.1f} ms)"
+        + ("" if plan.optimal else "; front thinned, near-optimal")
+    )
+    if plan.unused:
+        table.append(f"not run on the example inputs (no region): {', '.join(plan.unused)}")
+    return "\n".join(table)

@@ -1,0 +1,363 @@
+"""Profile a model's training step for the planner: per block, what each choice (no
+region, a full region, a region with a ``save=`` preset) keeps, adds to the peak and costs.
+
+NOTE [ peak model ]
+===================
+A step without checkpointing runs under :class:`~scopedckpt.planner._live.LiveBytes`
+(NOTE [ live bytes ]); blocks are numbered in the order their forwards run.
+At time t let m(t) be the number of blocks whose kept tensors are *settled*:
+in the forward, the blocks whose forward ended; in the backward, the blocks
+whose backward has not started (a block's backward starts when the gradient of
+its output is computed). ``kept[j]`` is what block j keeps: the bytes of the
+storages it created still alive when the forward ends. Then
+
+    live(t) = other(t) + sum(kept[j] for j < m(t))
+
+where *other* is everything else: the stem's and head's tensors, gradients
+as they accumulate, temporaries, the part of a running block not settled yet.
+A plan changes only what settled blocks keep, so its peak is
+
+    max over m of  floor[m] + sum(kept_c[j] for j < m),
+    floor[m] = max(live(t) for m(t) = m) - sum(kept[j] for j < m)
+
+plus, for each block i given a region, the moment its recompute peaks, in its
+backward: the blocks before i settled under the plan, block i's region and
+what its recompute rebuilds on top. That moment is measured, not modelled: a
+second counted step makes every block a full region and takes, for each, the
+most bytes live during its backward less what the blocks up to it keep there
+(``rebuild``; what a full region keeps is measured there too: its output, and
+any record the region holds). A ``save=`` preset keeps the outputs of the ops
+it selects besides, and rebuilds that much less of the forward's growth as
+the step without regions saw it, op by op. The model gives the peak without
+regions exactly and the one with every block a full region exactly; mixed
+plans assume the rest of the step is unchanged, which :mod:`benchmarks.plan`
+checks against measured peaks.
+
+Added time: the block's recompute as timed in the step with every block a
+region (NOTE [ timing regions ] in ``_step_times.py``), less the kernel time of
+the ops a preset keeps (timed op by op in the step without regions: the rest
+of a recompute, its Python and allocation included, is paid anyway), plus what
+a region and selective saving's dispatch mode cost besides.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import policies
+from ..core._errors import ScopedCkptError
+from ..core._policy import SavePolicy, as_policy
+from ..core._sampling import suspended
+from ..core._scope import checkpointing
+from ..mechanisms._report import memory_report
+from ._live import OUTSIDE, LiveBytes, storages
+from ._step_times import region_costs, synchronize
+from ._untouched import Untouched
+
+__all__ = ["PRESETS", "BlockProfile", "Choice", "Profile", "default_loss", "profile_step"]
+
+PRESETS: dict[str, tuple[Any, ...]] = {
+    "matmuls": policies.save_matmuls,
+    "attention": policies.save_attention,
+    "convolutions": policies.save_convolutions,
+    "compute": policies.save_compute,
+}
+"""The ``save=`` presets a plan may give a block, by the name plans print and store."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One way to run a block: what it keeps, what it costs, when its recompute peaks."""
+
+    name: str  # "none", "full" or a key of PRESETS
+    kept: int  # bytes kept from the block's forward to its backward
+    seconds: float  # time added to a step
+    # Bytes live at the recompute's peak besides what settled blocks keep (NOTE
+    # [ peak model ]); None for no region.
+    recompute: int | None
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """A block as the profile saw it, with the choices open to it."""
+
+    name: str
+    module: nn.Module
+    choices: tuple[Choice, ...]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What :func:`profile_step` measured (NOTE [ peak model ])."""
+
+    blocks: tuple[BlockProfile, ...]  # in the order their forwards ran
+    floors: tuple[int | None, ...]  # floor[m] for m = 0..len(blocks); None: never seen
+    peak: int  # the step's peak without checkpointing
+    step_seconds: float  # the step's time without checkpointing
+    unused: tuple[str, ...]  # candidate blocks the step did not run
+    seconds: float  # how long profiling took
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss of a step when none is given: the output's ``loss`` if it has one
+    (Hugging Face models given labels), else the sum of its first floating tensor."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    for tensor in _tensors(output):
+        if tensor.is_floating_point() and tensor.requires_grad:
+            return tensor.sum()
+    raise ScopedCkptError(
+        f"scopedckpt: plan() found no floating-point tensor that requires grad in the "
+        f"model's output ({type(output).__name__}) to take as the loss. Pass loss_fn=, a "
+        "function from the output to the scalar your training step calls backward() on."
+    )
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+class _Instrumented:
+    """A counted step's hooks and tallies (see NOTE [ peak model ]); ``presets``: also
+    what each ``save=`` preset would keep and rebuild (the step without regions)."""
+
+    def __init__(
+        self, blocks: list[tuple[str, nn.Module]], untouched: Untouched, presets: bool
+    ) -> None:
+        self.blocks = blocks
+        self.index = {id(module): i for i, (_, module) in enumerate(blocks)}
+        self.order: list[int] = []  # block index at each forward position
+        self.position: dict[int, int] = {}
+        self.counter = LiveBytes(self._observe, untouched.before_op, self._freed)
+        self.m = 0
+        self.segments: dict[int, int] = {}
+        self.start = 0
+        self.growth: dict[int, int] = {}
+        self.out: dict[int, dict[int, int]] = {}  # position -> serial -> bytes
+        self.backward_started: set[int] = set()
+        self.backward_block: int | None = None  # the block whose backward runs
+        self.backward_peak: dict[int, int] = {}  # its most bytes live, recompute included
+        self.ops: dict[int, int] = {}
+        self.op_seconds: dict[int, float] = {}
+        self.presets: dict[str, SavePolicy] = {}
+        for name, items in PRESETS.items() if presets else ():
+            policy = as_policy(items)
+            if policy is not None:  # None: an empty preset (no fused attention kernels)
+                self.presets[name] = policy
+        self.selecting: dict[Any, tuple[str, ...]] = {}  # op -> the presets selecting it
+        self.preset_seconds: dict[tuple[str, int], float] = {}
+        self.preset_kept: dict[tuple[str, int], dict[int, int]] = {}
+        # Within the running block: bytes of each preset's selected outputs alive, the
+        # presets that selected each such storage, and the most the block's forward
+        # grew by besides them (what a recompute under the preset rebuilds).
+        self.selected_alive: dict[str, int] = {}
+        self.selected_by: dict[int, list[str]] = {}
+        self.preset_growth: dict[tuple[str, int], int] = {}
+
+    def close(self, m: int) -> None:
+        counter = self.counter
+        self.segments[self.m] = max(self.segments.get(self.m, 0), counter.peak)
+        if self.backward_block is not None:
+            k = self.backward_block
+            self.backward_peak[k] = max(self.backward_peak.get(k, 0), counter.peak)
+        self.m = m
+        counter.restart_peak()
+
+    def _observe(self, func: Any, out: Any, seconds: float) -> None:
+        k = self.counter.tag
+        if k == OUTSIDE:
+            return
+        self.ops[k] = self.ops.get(k, 0) + 1
+        self.op_seconds[k] = self.op_seconds.get(k, 0.0) + seconds
+        if not self.presets:
+            return
+        selecting = self.selecting.get(func)
+        if selecting is None:
+            selecting = self.selecting[func] = tuple(
+                name for name, policy in self.presets.items() if policy.names(func)
+            )
+        for name in selecting:
+            key = (name, k)
+            self.preset_seconds[key] = self.preset_seconds.get(key, 0.0) + seconds
+            kept = self.preset_kept.setdefault(key, {})
+            for storage in storages(out):
+                serial = self.counter.serial_of(storage)
+                if serial is not None and serial not in kept:
+                    kept[serial] = nbytes = self.counter.bytes_of(storage)
+                    self.selected_alive[name] = self.selected_alive.get(name, 0) + nbytes
+                    self.selected_by.setdefault(serial, []).append(name)
+        grown = self.counter.live - self.start
+        for name in self.presets:
+            key = (name, k)
+            rebuilt = grown - self.selected_alive.get(name, 0)
+            if rebuilt > self.preset_growth.get(key, 0):
+                self.preset_growth[key] = rebuilt
+
+    def _freed(self, serial: int, nbytes: int) -> None:
+        for name in self.selected_by.pop(serial, ()):
+            self.selected_alive[name] -= nbytes
+
+    def pre(self, module: nn.Module, args: Any) -> None:
+        i = self.index[id(module)]
+        name = self.blocks[i][0]
+        if i in self.position:
+            raise ScopedCkptError(
+                f"scopedckpt: block {name!r} ran twice in one step; plan() gives each block "
+                "one choice for one call. Pass blocks= without it (a block called twice, "
+                "such as a shared layer, can still be a region by hand)."
+            )
+        if self.counter.tag != OUTSIDE:
+            outer = self.blocks[self.order[self.counter.tag]][0]
+            raise ScopedCkptError(
+                f"scopedckpt: block {name!r} runs inside block {outer!r}; plan() needs "
+                "blocks that do not nest. Pass blocks= with one of the two levels."
+            )
+        k = len(self.order)
+        self.order.append(i)
+        self.position[i] = k
+        self.close(k)
+        self.start = self.counter.live
+        self.selected_alive.clear()
+        self.selected_by.clear()
+        self.counter.tag = k
+
+    def post(self, module: nn.Module, args: Any, output: Any) -> None:
+        k = self.position[self.index[id(module)]]
+        counter = self.counter
+        self.growth[k] = counter.peak - self.start
+        out = self.out.setdefault(k, {})
+        for tensor in _tensors(output):
+            for storage in storages(tensor):
+                serial = counter.serial_of(storage)
+                if serial is not None and counter.tag_of(storage) == k:
+                    out[serial] = counter.bytes_of(storage)
+            if tensor.requires_grad:
+                tensor.register_hook(self._backward_hook(k))
+        counter.tag = OUTSIDE
+        self.close(k + 1)
+
+    def _backward_hook(self, k: int) -> Callable[[torch.Tensor], None]:
+        def started(grad: torch.Tensor) -> None:
+            if k not in self.backward_started:
+                self.close(k)
+                self.backward_block = k
+                self.backward_started.add(k)
+
+        return started
+
+
+def profile_step(
+    model: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+) -> Profile:
+    """Run two counted steps of ``model``, one without checkpointing and one with every
+    block a full region, leaving no trace (NOTE [ leaving no trace ]), and return what
+    the planner needs (NOTE [ peak model ], NOTE [ timing regions ])."""
+    began = time.perf_counter()
+    inputs = tuple(_tensors((args, kwargs)))
+
+    def step(tally: _Instrumented, scope: Any) -> tuple[dict[int, int], float]:
+        handles = []
+        for _, module in tally.blocks:
+            handles.append(module.register_forward_pre_hook(tally.pre))
+            handles.append(module.register_forward_hook(tally.post))
+        try:
+            synchronize(device)
+            start = time.perf_counter()
+            with tally.counter:
+                with scope, torch.enable_grad():
+                    loss = loss_fn(model(*args, **kwargs))
+                kept = {k: tally.counter.by_tag.get(k, 0) for k in range(len(tally.order))}
+                loss.backward()
+                del loss
+                tally.close(tally.m)
+            synchronize(device)
+            return kept, time.perf_counter() - start
+        finally:
+            for handle in handles:
+                handle.remove()
+            untouched.clear_grads()
+
+    device = _device_of(model)
+    with Untouched(model, inputs) as untouched:
+        tally = _Instrumented(blocks, untouched, presets=True)
+        kept, plain_seconds = step(tally, checkpointing(enabled=False))
+        ran = [blocks[i] for i in tally.order]
+        full = _Instrumented(ran, untouched, presets=False)
+        with suspended(), memory_report(root=model) as report:
+            kept_full, _ = step(full, checkpointing(*(module for _, module in ran)))
+        if full.order != list(range(len(ran))):
+            raise ScopedCkptError(
+                "scopedckpt: plan() saw the blocks run in another order in its second step; "
+                "it needs a step whose blocks run the same way every time."
+            )
+        overhead, per_op, counting = region_costs(device)
+    recompute = {row["region"]: row["recompute_seconds"] for row in report.rows}
+    n = len(tally.order)
+    settled, settled_full = [0], [0]
+    for k in range(n):
+        settled.append(settled[-1] + kept[k])
+        settled_full.append(settled_full[-1] + kept_full[k])
+    floors = tuple(
+        tally.segments[m] - settled[m] if m in tally.segments else None for m in range(n + 1)
+    )
+    profiled = []
+    for k, i in enumerate(tally.order):
+        name, module = blocks[i]
+        ops = tally.ops.get(k, 0)
+        # The counting mode's own cost is in the timed recompute: taken out.
+        seconds = max(recompute.get(name, 0.0) - counting * ops, 0.0)
+        choices = [Choice("none", kept[k], 0.0, None)]
+        if k in full.backward_peak:
+            # Bytes at the recompute's peak besides what blocks up to k keep (measured).
+            rebuild = full.backward_peak[k] - settled_full[k + 1]
+            choices.append(Choice("full", kept_full[k], seconds + overhead, rebuild))
+            seen: set[tuple[int, float]] = set()
+            for preset in tally.presets:
+                selected = tally.preset_kept.get((preset, k))
+                if not selected:
+                    continue
+                extra = sum(b for s, b in selected.items() if s not in tally.out.get(k, {}))
+                # The kept ops' kernels are not run again; the rest of the recompute
+                # (Python, other ops, allocation) is.
+                spared_seconds = tally.preset_seconds[(preset, k)]
+                if (extra, spared_seconds) in seen:
+                    continue  # the same ops as an earlier preset (compute = matmuls here)
+                seen.add((extra, spared_seconds))
+                cost = max(seconds - spared_seconds, 0.0) + overhead + per_op * ops
+                # What the preset keeps is not rebuilt (counted op by op, unregioned).
+                spared = tally.growth[k] - tally.preset_growth.get((preset, k), tally.growth[k])
+                choices.append(Choice(preset, kept_full[k] + extra, cost, rebuild - spared))
+        profiled.append(BlockProfile(name, module, tuple(choices)))
+    unused = tuple(name for i, (name, _) in enumerate(blocks) if i not in tally.position)
+    return Profile(
+        tuple(profiled),
+        floors,
+        max(tally.segments.values(), default=0),
+        max(plain_seconds - counting * tally.counter.ops, 0.0),
+        unused,
+        time.perf_counter() - began,
+    )
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
