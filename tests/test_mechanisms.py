@@ -163,3 +163,40 @@ def test_every_module_of_the_package_says_what_it_owns_and_stays_small() -> None
         text = path.read_text()
         assert len(text.splitlines()) <= 410, f"{path.name}: split it by concept"
         assert ast.get_docstring(ast.parse(text)), f"{path.name} opens with no docstring"
+
+
+# Each tape field a mechanism owns, and the modules of that mechanism (the buffer guard is
+# two: its hooks, and what one guarded call keeps).
+_OWNERS = {
+    "rng": {"_rng"},
+    "generators": {"_generators"},
+    "world": {"_world"},
+    "written": {"_written"},
+    "hooks": {"_hooks"},
+    "states": {"_guard", "_module_state"},
+    "modes": {"_guard"},
+    "saved": {"_selective"},
+    "stats": {"_report"},
+    "verifying": {"_verify"},
+    "inputs": {"_inputs"},
+}
+
+
+def test_each_mechanism_keeps_its_state_to_itself() -> None:
+    """Issue 40: no module reads or writes another mechanism's field of the tape; it calls
+    the owner's function (``_rng.replays``, ``_selective.saves``, ``_report.stats_of``...)."""
+    package = Path(_engine.__file__).parent.parent
+    assert set(_OWNERS) | {"records", "forward_mechanisms", "recompute_mechanisms"} == {
+        name for name in Tape.__dataclass_fields__
+    }
+    trespass = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in _OWNERS
+                and path.stem not in _OWNERS[node.attr]
+                and ast.unparse(node.value).split(".")[-1] == "tape"
+            ):
+                trespass.append(f"{path.relative_to(package)}:{node.lineno}: tape.{node.attr}")
+    assert not trespass, trespass

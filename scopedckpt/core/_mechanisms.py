@@ -8,8 +8,10 @@ private module implementing :class:`Mechanism`, listed once in
 :data:`MECHANISMS`. The engine (``_engine.py``) knows none of them by name:
 
 * ``start_region(tape, call)`` runs once, when the region starts, puts the
-  mechanism's state on the tape (a field of :class:`Tape` the mechanism owns)
-  and says whether the mechanism acts in the region's frames;
+  mechanism's state on the tape (a field of :class:`Tape` the mechanism owns:
+  no other module reads it; what others need, the owner's functions answer,
+  such as ``_rng.replays(tape)``) and says whether the mechanism acts in the
+  region's frames;
 * ``enter_frame(frame)`` runs at every entry of such a region (its first
   forward, and each recompute, on any thread) and returns what undoes it, an
   ``__exit__``-like callable, or None when it has nothing to do there. It is

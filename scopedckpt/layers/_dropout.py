@@ -44,6 +44,7 @@ from ..core._paths import EAGER, GRAPH, where
 from ..core._replay import tape_value
 from ..core._state import FRAME, RECOMPUTE
 from ..core._torch_private import functorch_level
+from ..mechanisms import _generators, _rng
 from ..mechanisms._selective import internal
 from ..mechanisms._strict import scoped_draws
 from ._mask import Mask, masked_dropout
@@ -89,12 +90,11 @@ def _redraw(seed: int, owner: object, generator: torch.Generator | None) -> None
     if frame is None:
         return
     if generator is None:
-        if frame.tape.rng is None:
+        if not _rng.replays(frame.tape):
             return
         source = "torch's default generator"
     else:
-        replayed = frame.tape.generators
-        if replayed is None or all(g is not generator for g, _ in replayed.stash):
+        if not _generators.replays(frame.tape, generator):
             return
         source = "its generator"
     again = _draw_seed(generator)

@@ -69,8 +69,9 @@ from ..core._sampling import sampling_period, unverified_calls_before
 from ..core._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape, region_name
 from ..core._subtree import generators_in
 from ..layers._mask import MASK_GENERATORS
+from ._verify import verified_call
 
-__all__ = ["FRAME_PHASES", "Generators", "enter_frame", "start_region"]
+__all__ = ["FRAME_PHASES", "Generators", "enter_frame", "replays", "start_region"]
 
 FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
 
@@ -140,16 +141,22 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
     return True
 
 
+def replays(tape: Tape, generator: torch.Generator) -> bool:
+    """Whether the region replays ``generator`` (scoped layers drawing from it align)."""
+    generators = tape.generators
+    return generators is not None and any(g is generator for g, _ in generators.stash)
+
+
 def enter_frame(frame: Frame) -> Callable[..., None] | None:
     """A watched first forward: watch for generators. A recompute: replay them."""
     generators = frame.tape.generators
     assert generators is not None  # start_region made it
     stash = generators.stash
     if frame.phase is not RECOMPUTE:
-        verifying = frame.tape.verifying
-        if verifying is None:
+        call = verified_call(frame.tape)
+        if call is None:
             return None
-        watching = Watch(stash, verifying.call)
+        watching = Watch(stash, call)
         watching.__enter__()
         return watching.__exit__
     found = [(g, g.get_state()) for g, _ in stash]

@@ -105,7 +105,7 @@ from ..core._torch_private import (
     GLOBAL_PRE_HOOKS,
 )
 from ._module_state import enter, exit_, guarded, initialize_lazy, unwind
-from ._selective import internal
+from ._selective import internal, saves
 
 __all__ = [
     "FRAME_PHASES",
@@ -113,6 +113,7 @@ __all__ = [
     "enter_frame",
     "guarded_call",
     "installed",
+    "modules_called",
     "start_region",
 ]
 
@@ -128,7 +129,7 @@ def _outside_numbering(
 ) -> Any:
     """Run a guard step; under selective saving its copies are no op calls of the
     region's (``internal`` in _selective.py)."""
-    if frame.tape.saved is None:
+    if not saves(frame.tape):
         return step(frame, module)
     with internal():
         return step(frame, module)
@@ -160,7 +161,7 @@ def _pre_hook(module: nn.Module, args: Any) -> None:
         calls = frame.calls  # count_call, written out: this runs at every module call
         index = calls.get(key, 0)
         calls[key] = index + 1
-    if frame.tape.saved is None:
+    if not saves(frame.tape):
         return
     # Selective saving numbers op calls per module call (NOTE [ selective saving ]).
     frame.modules.append((key, index))
@@ -177,7 +178,7 @@ def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
     frame = FRAME.get()
     if frame is None or frame.hooks is not None:
         return
-    if frame.tape.saved is not None and frame.modules:
+    if saves(frame.tape) and frame.modules:
         frame.modules.pop()
         if frame.selective is not None:
             frame.selective.exit_module()
@@ -203,6 +204,11 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
     return True
 
 
+def modules_called(tape: Tape) -> set[int]:
+    """The ids of the modules the region's first forward called (not its nested regions')."""
+    return set(tape.modes)
+
+
 def enter_frame(frame: Frame) -> Callable[..., None]:
     """Start guarding the module calls of a frame that is being entered; returns what
     stops guarding them.
@@ -217,7 +223,7 @@ def enter_frame(frame: Frame) -> Callable[..., None]:
     frame_entered()
     # Strict mode's check and selective saving's module numbering see every call,
     # and after it too.
-    every_call = frame.scope.strict or frame.tape.saved is not None
+    every_call = frame.scope.strict or saves(frame.tape)
     if frame.phase is not RECOMPUTE:
         _install(every_call)
         return functools.partial(end, frame, every_call, None)

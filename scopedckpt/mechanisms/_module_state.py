@@ -22,7 +22,8 @@ from ..core._errors import ScopedCkptError
 from ..core._names import frame_region_name
 from ..core._state import RECOMPUTE, Frame, module_path
 from ..core._torch_private import module_buffers
-from ._verify import not_verified_statistics
+from ._report import stats_of
+from ._verify import not_verified_statistics, verified_call
 
 __all__ = [
     "GuardEntry",
@@ -169,7 +170,7 @@ def enter(frame: Frame, module: nn.Module) -> int:
     """Before a guarded call: copy its state (forward) or swap in the recorded one.
 
     Returns the call's index (how many calls of the module came before it)."""
-    if frame.tape.verifying is not None:
+    if verified_call(frame.tape) is not None:
         not_verified_statistics(module)  # the real ones now, the swapped copies below
     index = count_call(frame, module)
     stateful = _stateful(module)
@@ -177,6 +178,9 @@ def enter(frame: Frame, module: nn.Module) -> int:
         saved = [(n, b.clone()) for n, b in module_buffers(module).items() if b is not None]
         state = _snapshot(module) if stateful else _NONE
         frame.tape.states[(id(module), index)] = ModuleState(module, saved, state)
+        stats = stats_of(frame.tape)
+        if stats is not None:  # the memory report's row counts the copies as kept
+            stats.kept_bytes += sum(tensor.nbytes for _, tensor in saved)
         if frame.scope.strict:  # checked after the call (exit_)
             frame.guards.append(GuardEntry(module, index, saved, state))
         return index
@@ -195,7 +199,7 @@ def enter(frame: Frame, module: nn.Module) -> int:
         swapped.append((name, module_buffers(module).get(name)))
         # A copy: a later recompute needs `before` again.
         module_buffers(module)[name] = before.clone()
-    if frame.tape.verifying is not None:
+    if verified_call(frame.tape) is not None:
         not_verified_statistics(module)
     current = _NONE
     if record.state is not _NONE:

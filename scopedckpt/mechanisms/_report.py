@@ -44,6 +44,8 @@ import torch
 
 from ..core._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape
 from ..core._torch_private import base_of, module_buffers, top_saved_tensors_hooks
+from ._rng import kept_bytes
+from ._selective import kept_tensors
 
 __all__ = [
     "FRAME_PHASES",
@@ -52,6 +54,7 @@ __all__ = [
     "enter_frame",
     "memory_report",
     "start_region",
+    "stats_of",
 ]
 
 _LOCK = threading.Lock()
@@ -340,11 +343,7 @@ class counting_saved_tensors:  # noqa: N801 - used like torch's saved_tensors_ho
 def finish_forward(stats: RegionStats, tape: Tape) -> None:
     """The first forward ended: add what the tape keeps."""
     stats.records = len(tape.records)
-    if tape.rng is not None:
-        stats.kept_bytes += tape.rng.cpu.nbytes
-        stats.kept_bytes += sum(state.nbytes for _, state in tape.rng.devices)
-    for state in tape.states.values():
-        stats.kept_bytes += sum(tensor.nbytes for _, tensor in state.buffers)
+    stats.kept_bytes += kept_bytes(tape)  # the RNG stash; the guard's copies counted as taken
     kept = [  # channel-wise dropout noise (NOTE [ noise on the tape ] in _dropout.py)
         value
         for record in tape.records
@@ -352,8 +351,7 @@ def finish_forward(stats: RegionStats, tape: Tape) -> None:
         for value in record.value
         if isinstance(value, torch.Tensor)
     ]
-    if tape.saved is not None:  # outputs kept by save= (NOTE [ selective saving ])
-        kept += tape.saved.tensors()
+    kept += kept_tensors(tape)  # outputs kept by save= (NOTE [ selective saving ])
     for tensor in kept:
         key = tensor.untyped_storage().data_ptr()
         counted = stats._freed.pop(key, None)
@@ -374,6 +372,11 @@ now = time.perf_counter
 
 # The phases of the frames enter_frame acts in.
 FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
+
+
+def stats_of(tape: Tape) -> RegionStats | None:
+    """The region's row while a ``memory_report()`` block measures it, else None."""
+    return tape.stats
 
 
 def start_region(tape: Tape, call: RegionCall) -> bool:

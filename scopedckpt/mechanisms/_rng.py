@@ -44,7 +44,16 @@ from torch import Tensor
 
 from ..core._state import RECOMPUTE, Frame, RegionCall, Tape
 
-__all__ = ["FRAME_PHASES", "RngStash", "enter_frame", "start_region", "stash"]
+__all__ = [
+    "FRAME_PHASES",
+    "RngStash",
+    "enter_frame",
+    "kept_bytes",
+    "replays",
+    "start_region",
+    "stash",
+    "states_now",
+]
 
 Access = tuple[Callable[[], Tensor], Callable[[Tensor], None]]
 
@@ -144,6 +153,24 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
         tape.rng = stash()
         return True
     return False
+
+
+def replays(tape: Tape) -> bool:
+    """Whether the region replays the default generators (scoped layers align with it)."""
+    return tape.rng is not None
+
+
+def states_now(tape: Tape) -> RngStash | None:
+    """The default generators' states now, where the region replays them."""
+    return None if tape.rng is None else tape.rng.current()
+
+
+def kept_bytes(tape: Tape) -> int:
+    """The bytes the region's stash keeps until backward (the memory report's)."""
+    stashed = tape.rng
+    if stashed is None:
+        return 0
+    return stashed.cpu.nbytes + sum(state.nbytes for _, state in stashed.devices)
 
 
 def enter_frame(frame: Frame) -> Callable[..., None] | None:

@@ -73,6 +73,7 @@ from ..core._torch_private import (
     op_schema_facts,
     version_of,
 )
+from ._rng import replays, states_now
 from ._strict import draws_random_numbers
 
 __all__ = [
@@ -82,6 +83,8 @@ __all__ = [
     "ServingMode",
     "enter_frame",
     "internal",
+    "kept_tensors",
+    "saves",
     "start_region",
 ]
 
@@ -257,9 +260,9 @@ class SavingMode(_RegionMode):
         out = func(*args, **kwargs)
         kept = _detach(out)
         rng = None
-        tape_rng = self._frame.tape.rng
-        if tape_rng is not None and draws_random_numbers(func, args, kwargs):
-            rng = tape_rng.current()
+        tape = self._frame.tape
+        if replays(tape) and draws_random_numbers(func, args, kwargs):
+            rng = states_now(tape)
         entries.append(
             _Kept(
                 kept,
@@ -314,6 +317,16 @@ def _shapes(signature: tuple[Any, ...]) -> str:
 
 # The phases of the frames enter_frame acts in.
 FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
+
+
+def saves(tape: Tape) -> bool:
+    """Whether the region keeps op outputs under a ``save=`` policy."""
+    return tape.saved is not None
+
+
+def kept_tensors(tape: Tape) -> list[Tensor]:
+    """The op outputs the region keeps for its recomputes (the memory report's)."""
+    return [] if tape.saved is None else tape.saved.tensors()
 
 
 def start_region(tape: Tape, call: RegionCall) -> bool:

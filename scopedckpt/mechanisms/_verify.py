@@ -74,7 +74,8 @@ from ..core._options import BITWISE
 from ..core._state import FORWARD, FRAME, Frame, RegionCall, Tape, region_name
 from ..core._torch_private import NormBase, recompute_whole, register_determinism_check, version_of
 from ._bits import differences, sample, sums
-from ._selective import internal
+from ._report import stats_of
+from ._selective import internal, saves
 
 __all__ = [
     "BITWISE",
@@ -86,6 +87,7 @@ __all__ = [
     "not_verified",
     "not_verified_statistics",
     "start_region",
+    "verified_call",
 ]
 
 
@@ -138,6 +140,11 @@ def not_verified_statistics(module: object) -> None:
         not_verified(module.running_mean, module.running_var)
 
 
+def verified_call(tape: Tape) -> RegionCall | None:
+    """The call of a region verified bit for bit, else None."""
+    return None if tape.verifying is None else tape.verifying.call
+
+
 def start_region(tape: Tape, call: RegionCall) -> bool:
     """A region with ``determinism_check="bitwise"`` is verified: act in its first forward."""
     if call.determinism_check != BITWISE:
@@ -158,7 +165,7 @@ def _finish(frame: Frame, *exc: object) -> None:
     # graph, and holding the inputs would keep each one past its region's backward.
     verifying.call = verifying.call.without_arguments()
     pending, verifying.pending = verifying.pending, []
-    if frame.tape.saved is None:
+    if not saves(frame.tape):
         for print_ in pending:
             print_.take()
         return
@@ -259,7 +266,7 @@ class Fingerprint:
         same = (self.shape, self.dtype, self.device) == (other.shape, other.dtype, other.device)
         if same and self.sums is not None and other.sums is not None:
             COUNTERS.compared += 1
-            stats = None if self.region is None else self.region.tape.stats
+            stats = None if self.region is None else stats_of(self.region.tape)
             if stats is not None:  # a memory_report() block counts it
                 stats.verified += 1
             same = torch.equal(self.sums, other.sums) or (
@@ -345,7 +352,7 @@ def fingerprint(x: Tensor) -> Fingerprint:
 
         late_write_found(verifying.call.module, verifying.call.fn)
     hold = rrelu is not None  # NOTE [ late writes ]: written after saved, then freed
-    if frame.tape.saved is None:
+    if not saves(frame.tape):
         print_ = Fingerprint(x, verifying, verifying.saved, source, hold)
     else:
         with internal():  # no op calls of the region's (NOTE [ selective saving ])

@@ -74,6 +74,8 @@ from ..core._errors import ScopedCkptError
 from ..core._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape, module_path, region_name
 from ..core._subtree import Listing, current_parameters, subtree
 from ..core._torch_private import module_buffers, module_parameters, version_of
+from ._guard import modules_called
+from ._report import stats_of
 
 __all__ = ["FRAME_PHASES", "Copies", "Noted", "enter_frame", "start_region"]
 
@@ -260,7 +262,7 @@ def _check(frame: Frame, exc_type: object, *exc: object) -> None:
         frame.tape.written = listing if listing.learning else None
         return
     frame.tape.written = Copies(listing, tuple(kept), tuple(kept_parameters))
-    stats = frame.tape.stats
+    stats = stats_of(frame.tape)
     if stats is not None:  # the memory report's row counts the copies as kept
         stats.kept_bytes += sum(copy.nbytes for *_, copy in kept)
         stats.kept_bytes += sum(copy.nbytes for _, copy, _ in kept_parameters)
@@ -268,7 +270,7 @@ def _check(frame: Frame, exc_type: object, *exc: object) -> None:
 
 def _called(tape: Tape) -> set[int]:
     """Every module the first forward called, by id, nested regions' calls included."""
-    called = set(tape.modes)
+    called = modules_called(tape)
     for record in tape.records:
         if isinstance(record.value, Tape):  # a nested region's tape
             called |= _called(record.value)
