@@ -14,9 +14,10 @@ import pytest
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.nn.utils import parametrizations, parametrize
 
 import scopedckpt
-from scopedckpt.core import _sampling, _transforms
+from scopedckpt.core import _sampling, _torch_private, _transforms
 from scopedckpt.core._light import RecomputeDivergenceError
 from scopedckpt.mechanisms import _verify
 from scopedckpt.planner import _live
@@ -220,6 +221,83 @@ def test_the_recompute_runs_in_the_first_forwards_world(regime: str) -> None:
     assert _equal(checkpointed[0], plain[0])
     assert _equal(checkpointed[1], plain[1])  # buffers
     assert checkpointed[2] == plain[2]  # Python's random stream after training
+
+
+class Symmetric(nn.Module):
+    """A symmetric weight, ``W Wᵀ / n``: its matmul saves ``W``, so a recompute that reads
+    the weight from ``parametrize.cached()``'s cache saves fewer tensors than one that
+    computes it."""
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w @ w.mT / w.shape[-1]
+
+
+def _symmetric(layer: nn.Linear) -> None:
+    parametrize.register_parametrization(layer, "weight", Symmetric())
+
+
+PARAMETRIZATIONS: dict[str, Callable[[nn.Linear], object]] = {
+    "custom symmetric": _symmetric,
+    "weight_norm": parametrizations.weight_norm,
+    "orthogonal": parametrizations.orthogonal,
+}
+
+
+def _train_cached(
+    parametrization: str, checkpointed: bool, backward: str, nested: bool
+) -> list[torch.Tensor]:
+    """Trains under ``parametrize.cached()``, its cache read outside the region too (a weight
+    cached before it starts, one it caches read after it); backward ``inside`` the block,
+    ``after`` it or ``only`` inside it: the losses, every step's gradients, the parameters."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh())
+    model = nn.Sequential(block, nn.Linear(4, 1))
+    for layer in (block[0], block[2]):
+        PARAMETRIZATIONS[parametrization](layer)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(2)
+    seen: list[torch.Tensor] = []
+    for _ in range(STEPS):
+        x = torch.randn(5, 4, generator=data)
+        regions = (block, block[0]) if nested else (block,)
+        scope = scopedckpt.checkpointing(*regions) if checkpointed else nullcontext()
+        with parametrize.cached() if backward != "only" else nullcontext():
+            before = block[2].weight.sum()
+            with torch.enable_grad(), scope:
+                loss = model(x).square().mean()
+            loss = loss + 0.1 * (before + block[0].weight.sum())
+            cache = dict(_torch_private.parametrize_cache()[1])
+            optimizer.zero_grad()
+            if backward == "inside":
+                loss.backward()
+                now = _torch_private.parametrize_cache()[1]  # the recompute's cache is gone
+                assert now.keys() == cache.keys()
+                assert all(now[k] is v for k, v in cache.items())
+        if backward == "only":
+            with parametrize.cached():
+                loss.backward()
+                assert _torch_private.parametrize_cache()[1] == {}  # the recompute's too
+        elif backward == "after":
+            loss.backward()
+        seen += [loss.detach(), *(p.grad.clone() for p in model.parameters())]  # type: ignore[union-attr]
+        optimizer.step()
+    assert _torch_private.parametrize_cache() == (0, {})
+    return seen + _parameters(model)
+
+
+@pytest.mark.usefixtures("every_64")
+@pytest.mark.parametrize("nested", [False, True], ids=["one region", "nested"])
+@pytest.mark.parametrize("backward", ["inside", "after", "only"])
+@pytest.mark.parametrize("parametrization", sorted(PARAMETRIZATIONS))
+def test_parametrize_cached_through_backward_trains_bit_identically(
+    parametrization: str, backward: str, nested: bool
+) -> None:
+    """``parametrize.cached()`` is part of the forward's world: every recompute reads the
+    cache the region started with (a weight cached inside the region is computed again,
+    one cached before it is read), in the block or after it, and its own writes go."""
+    plain = _train_cached(parametrization, False, backward, nested)
+    checkpointed = _train_cached(parametrization, True, backward, nested)
+    assert _equal(checkpointed, plain)
 
 
 @pytest.mark.usefixtures("every_64")

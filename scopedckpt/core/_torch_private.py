@@ -9,12 +9,11 @@ checkpoint (``tests/test_torch_private.py`` checks no other module uses one):
 
 * **checkpoint call path** (:data:`PATH`). torch <= 2.13: ``checkpoint`` calls
   ``_checkpoint_without_reentrant_generator(fn, preserve_rng_state, context_fn,
-  determinism_check, debug, early_stop, *args, **kwargs)``; torch >= 2.14:
-  ``_checkpoint_impl`` calls ``_checkpoint_without_reentrant_generator_impl(fn,
-  args, kwargs, *, ...)`` and the old name is a shim nothing calls. Both are
-  module globals looked up per call, which ``patch_torch_checkpoint`` swaps
-  (``_patch.py``); :func:`call_generator` and :func:`generator_like` hide the
-  two signatures.
+  determinism_check, debug, early_stop, *args, **kwargs)``; torch >= 2.14: ``_checkpoint_impl``
+  calls ``_checkpoint_without_reentrant_generator_impl(fn, args, kwargs, *, ...)`` and the old
+  name is a shim nothing calls. Both are module globals looked up per call, which
+  ``patch_torch_checkpoint`` swaps (``_patch.py``); :func:`call_generator` and
+  :func:`generator_like` hide the two signatures.
 * **checkpoint internals**: debug mode's switch and ``_get_debug_context_and_cb``
   (:func:`debug_composed` composes ours with torch's for one call); the
   determinism-check registry, early-stop switch, stop exception, saved inputs
@@ -26,7 +25,8 @@ checkpoint (``tests/test_torch_private.py`` checks no other module uses one):
 * **saved-tensor hooks**: the memory report reads the innermost pair. **Module and
   tensor internals**: entries of a module's parameter, buffer and hook dicts are swapped
   (``setattr`` would run hooks per swap); scoped layers subclass ``_DropoutNd`` and
-  ``_BatchNorm``; versions, a view's ``_base``, torch.func's level.
+  ``_BatchNorm``; versions, a view's ``_base``, torch.func's level; the globals of
+  ``parametrize.cached()``, which the forward's world puts in place for a recompute.
 """
 
 from __future__ import annotations
@@ -99,16 +99,12 @@ class CheckpointPath:
     split: bool  # torch >= 2.14: generator(fn, args, kwargs, *, **options)
     options: tuple[str, ...]  # the keywords the generator takes besides fn and arguments
     decorator_form: bool  # checkpoint(use_reentrant=False)(fn) exists
+    reentrant = "CheckpointFunction"  # the global holding reentrant checkpointing's Function
 
     @property
     def respects_hooks(self) -> bool:
         """Whether torch's checkpoint takes ``respect_saved_tensors_hooks`` (torch >= 2.14)."""
         return "respect_saved_tensors_hooks" in self.options
-
-    @property
-    def reentrant(self) -> str:
-        """The global holding reentrant checkpointing's ``autograd.Function``."""
-        return "CheckpointFunction"
 
 
 _OPTIONS = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
@@ -119,17 +115,12 @@ def _checkpoint_path() -> CheckpointPath:
         return callable(getattr(torch_checkpoint, name, None))
 
     split = has("_checkpoint_impl") and has("_checkpoint_without_reentrant_generator_impl")
-    if split:
-        generator: str | None = "_checkpoint_without_reentrant_generator_impl"
-        front = "_checkpoint_impl"
-    else:
-        generator = "_checkpoint_without_reentrant_generator"
-        front = "checkpoint"
-        generator = generator if has(generator) else None
+    front = "_checkpoint_impl" if split else "checkpoint"
+    name = "_checkpoint_without_reentrant_generator" + ("_impl" if split else "")
+    generator = name if has(name) else None
     parameters = inspect.signature(torch_checkpoint.checkpoint).parameters
-    options = _OPTIONS + tuple(
-        name for name in ("respect_saved_tensors_hooks",) if name in parameters
-    )
+    hooks = "respect_saved_tensors_hooks"
+    options = _OPTIONS + ((hooks,) if hooks in parameters else ())
     function = parameters.get("function")
     decorator = function is not None and function.default is None
     return CheckpointPath(front, generator, split, options, decorator)
@@ -203,7 +194,6 @@ def _debug_context_and_cb() -> tuple[ContextFn, Any]:
     if ours is None:
         return debug_context_fn, callback
     _DEBUG_PENDING.set(None)  # one call only: nested regions inside push their own
-
     return compose(ours, debug_context_fn), callback
 
 
@@ -234,9 +224,8 @@ def debug_composed(context_fn: ContextFn) -> Iterator[None]:
     try:
         yield
         if _DEBUG_PENDING.get() is not None:
-            raise ScopedCkptError(
-                missing_piece(f"a call of torch.utils.checkpoint.{_DEBUG_NAME}", "debug=True")
-            )
+            piece = f"a call of torch.utils.checkpoint.{_DEBUG_NAME}"
+            raise ScopedCkptError(missing_piece(piece, "debug=True"))
     finally:
         _DEBUG_PENDING.reset(token)
         with _DEBUG_LOCK:
@@ -322,6 +311,17 @@ module_parameters = operator.attrgetter("_parameters")
 """The module's own registered parameters, by name: the dict itself, to swap entries in."""
 module_hooks = operator.attrgetter("_forward_pre_hooks", "_forward_hooks")
 """The module's own forward pre-hooks and forward hooks, by handle id: the dicts themselves."""
+
+_PARAMETRIZE: dict[str, Any] = vars(torch.nn.utils.parametrize)  # its module globals
+
+
+def parametrize_cache(put: tuple[int, dict[Any, Any]] | None = None) -> tuple[int, dict[Any, Any]]:
+    """``parametrize.cached()``'s state, read at each access of a parametrized tensor: (blocks
+    open, 0 where this torch has none; the cache by (id(module), name)); ``put`` replaces it."""
+    present = _PARAMETRIZE.get("_cache_enabled", 0), _PARAMETRIZE.get("_cache", {})
+    if put is not None:
+        _PARAMETRIZE["_cache_enabled"], _PARAMETRIZE["_cache"] = put
+    return present
 
 
 # torch's global module hooks, by key: the buffer guard puts its own in at a key of its

@@ -1,6 +1,6 @@
-"""The forward's world: the tensors a region's modules hold, the attributes and the Python
-and NumPy random states its forward reads, recorded when the region starts and put in
-place for every recompute: a region mechanism.
+"""The forward's world: the tensors a region's modules hold, the attributes, the Python
+and NumPy random states and the ``parametrize.cached()`` cache its forward reads, recorded
+when the region starts and put in place for every recompute: a region mechanism.
 
 NOTE [ forward's world ]
 ========================
@@ -20,6 +20,15 @@ When a region over a module starts, it records its *world*:
 * **Python's ``random`` and NumPy's global RNG**, where the forward draws from
   them (LayerDrop written with ``random.random()``); torch's generators are the
   RNG replay's and NOTE [ explicit generators ]'s.
+* **``torch.nn.utils.parametrize.cached()``'s cache**, every call where a block is
+  open (off: nothing): how many blocks are open and a shallow copy of the cache. A
+  parametrized weight (``weight_norm``, ``orthogonal``, a user's) cached before
+  the region is read from it by the recompute; one the first forward computed and
+  cached is computed again, as then, into a copy of its own (not read from the cache
+  the first forward filled, which saves fewer tensors); backward after the block
+  ended finds the cache as the region started. A recompute under a block that was
+  not open at the region's start runs with caching off, where the region acts at
+  all (over modules holding tensors, as any over a parametrized one).
 
 Attributes and random states are costly to record at every call (a
 ``random.getstate()`` costs more than a region's whole machinery), so a site
@@ -38,7 +47,7 @@ ahead after backward, until a sampled verified call learns it.
 
 Every backward recompute puts the recorded world in place where the present
 differs, runs, and puts the present back: what the recompute registers,
-assigns or draws does not outlive it. A region replayed inside its parent's
+assigns, draws or caches does not outlive it. A region replayed inside its parent's
 recompute leaves the world alone: the parent put it in place and recomputed
 it up to there, other mechanisms' copies included (NOTE [ unguarded writes ]),
 and the parent's later code reads what the replay writes, as in the first
@@ -61,6 +70,7 @@ from typing import Any
 from torch import nn
 
 from ..core._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape
+from ..core._torch_private import parametrize_cache
 
 __all__ = ["FRAME_PHASES", "Learned", "World", "enter_frame", "start_region"]
 
@@ -91,6 +101,7 @@ class World:
         "dicts",
         "learning",
         "numpy",
+        "parametrize",
         "python",
         "site",
     )
@@ -105,6 +116,8 @@ class World:
         self.dicts: list[dict[str, Any]] = []  # a learning call's: every module's __dict__
         self.python: Any = None  # random.getstate() at the start, where recorded
         self.numpy: Any = None  # numpy.random.get_state() at the start, where recorded
+        # parametrize.cached()'s (blocks open, copy of its cache) at the start, where open
+        self.parametrize: tuple[int, dict[Any, Any]] | None = None
 
 
 def _numpy_random() -> Any:
@@ -146,7 +159,17 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
         if learned.numpy:
             numpy = _numpy_random()
             world.numpy = None if numpy is None else numpy.get_state()
-    if not (world.bindings or world.attributes or learning or world.python or world.numpy):
+    enabled, cache = parametrize_cache()
+    if enabled:  # off: nothing recorded
+        world.parametrize = (enabled, dict(cache))
+    if not (
+        world.bindings
+        or world.attributes
+        or learning
+        or world.python
+        or world.numpy
+        or world.parametrize
+    ):
         return False
     tape.world = world
     return True
@@ -193,9 +216,17 @@ def enter_frame(frame: Frame) -> Callable[..., None] | None:
     if numpy is not None:
         numpy_state = numpy.get_state()
         numpy.set_state(world.numpy)
-    if not (undo or python or numpy_state):
+    parametrize: tuple[int, dict[Any, Any]] | None = None
+    if world.parametrize is not None:
+        # A copy per recompute: what it caches (the tensors it computes anew, as the first
+        # forward did) does not outlive it, nor reach a second recompute.
+        enabled, cache = world.parametrize
+        parametrize = parametrize_cache((enabled, dict(cache)))
+    elif parametrize_cache()[0]:  # off at the start, open now: backward inside cached()
+        parametrize = parametrize_cache((0, {}))
+    if not (undo or python or numpy_state or parametrize):
         return None
-    return functools.partial(_put_back, undo, python, numpy, numpy_state)
+    return functools.partial(_put_back, undo, python, numpy, numpy_state, parametrize)
 
 
 def _forward_ended(world: World, *exc: object) -> None:
@@ -256,6 +287,7 @@ def _put_back(
     python: Any,
     numpy: Any,
     numpy_state: Any,
+    parametrize: tuple[int, dict[Any, Any]] | None,
     *exc: object,
 ) -> None:
     for d, name, present in reversed(undo):
@@ -267,3 +299,5 @@ def _put_back(
         random.setstate(python)
     if numpy_state is not None:
         numpy.set_state(numpy_state)
+    if parametrize is not None:
+        parametrize_cache(parametrize)

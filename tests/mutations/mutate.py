@@ -748,7 +748,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "generators_never_watched",
         "scopedckpt/mechanisms/_generators.py",
-        "        if verifying is None:\n            return None",
+        "        if call is None:\n            return None",
         "        if True:\n            return None",
         ("tests/test_generators.py",),
         "no verified call finds a generator: recomputes draw from advanced streams",
@@ -1140,8 +1140,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "report_ignores_kept_outputs",
         "scopedckpt/mechanisms/_report.py",
-        "    if tape.saved is not None:  # outputs kept by save=",
-        "    if False:  # outputs kept by save=",
+        "    kept += kept_tensors(tape)  # outputs kept by save=",
+        "    kept += []  # outputs kept by save=",
         ("tests/test_selective.py",),
         "memory_report() counts kept outputs as freed",
     ),
@@ -1362,6 +1362,23 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if False:\n            self._fail()",
         ("tests/test_world.py", "tests/test_eager_checkpoint.py"),
         "a recompute that took another path hands backward misplaced tensors",
+    ),
+    Mutant(
+        "world_records_the_live_parametrize_cache",
+        "scopedckpt/mechanisms/_world.py",
+        "        world.parametrize = (enabled, dict(cache))",
+        "        world.parametrize = (enabled, cache)",
+        ("tests/test_world.py",),
+        "under parametrize.cached() the recompute reads the weight its first forward cached "
+        "instead of computing it: a RecomputeDivergenceError in backward",
+    ),
+    Mutant(
+        "world_leaves_the_parametrize_cache_alone",
+        "scopedckpt/mechanisms/_world.py",
+        "        parametrize = parametrize_cache((enabled, dict(cache)))\n",
+        "        parametrize = None\n",
+        ("tests/test_world.py",),
+        "parametrize.cached() held through backward fails with torch's CheckpointError",
     ),
     Mutant(
         "world_leaves_bindings_alone",
