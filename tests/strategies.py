@@ -226,6 +226,47 @@ class SizedAtFirstCall(nn.Module):
         return x / self.peak.view(_channels(x))
 
 
+class Scale(nn.Module):
+    """Scales each channel by a weight of its own."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, c))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight.view(_channels(x))
+
+
+class FastWeights(nn.Module):
+    """Runs its inner layer through ``torch.func.functional_call`` with fast weights made
+    from the inner layer's own (MAML's inner step; NOTE [ forward's world ]: the recompute
+    runs with the fast weights, which functional_call has unbound by then)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.inner = Scale(c)
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.inner.weight
+        fast = {"weight": weight - 0.25 * weight.tanh()}
+        return torch.func.functional_call(self.inner, fast, (x,))
+
+
+class WarmUp(nn.Module):
+    """Takes another branch from its third call on (a warm-up switch in control flow),
+    counted in a plain attribute; inside, a ``torch.func.vmap``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls <= 2:
+            return x * 0.875
+        return torch.func.vmap(torch.tanh)(x) * 1.25
+
+
 class Hooked(nn.Module):
     """Carries a capture hook (appends to a list) and an output-replacing hook (NOTE
     [ hooks in recomputes ]: the recompute runs the second, not the first)."""
@@ -317,8 +358,9 @@ def layers(draw: st.DrawFn, rank: int, c: int, generators: bool = True) -> nn.Mo
     kinds += ["torch_dropout", "functional_dropout", "drop_path", "torch_batch_norm"]
     kinds += ["own_forward_batch_norm", "counter", "noise", "hooked_counter", "rrelu"]
     kinds += ["banked", "in_place_weight"]
-    # The forward's world: Python's random, a plain attribute, a buffer assigned anew.
-    kinds += ["python_coin", "tally", "sized_at_first_call", "hooked"]
+    # The forward's world: Python's random, a plain attribute, a buffer assigned anew, user
+    # hooks, functional_call's fast weights, a warm-up switch (with a torch.func transform).
+    kinds += ["python_coin", "tally", "sized_at_first_call", "hooked", "fast_weights", "warm_up"]
     kinds += ["own_generator", "shared_generator"] if generators else []
     kind = draw(st.sampled_from(kinds))
     if kind == "own_generator":
@@ -329,6 +371,10 @@ def layers(draw: st.DrawFn, rank: int, c: int, generators: bool = True) -> nn.Mo
         return PythonCoin()
     if kind == "tally":
         return Tally()
+    if kind == "fast_weights":
+        return FastWeights(c)
+    if kind == "warm_up":
+        return WarmUp()
     if kind == "hooked":
         return Hooked()
     if kind == "sized_at_first_call":
