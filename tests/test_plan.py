@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 
 import pytest
 import torch
@@ -21,7 +22,17 @@ from scopedckpt.planner._profile import Choice, default_loss, profile_step
 from scopedckpt.planner._solve import peak_of, solve
 from scopedckpt.testing import assert_checkpoint_equivalent
 
-from .strategies import Banked, BlockCase, BlockModel, InPlaceWeight, OwnGenerator, block_cases
+from .strategies import (
+    Banked,
+    BlockCase,
+    BlockModel,
+    InPlaceWeight,
+    OwnGenerator,
+    PythonCoin,
+    Tally,
+    WarmUp,
+    block_cases,
+)
 
 
 def _budget_between(case_model: nn.Module, x: torch.Tensor, fraction: float) -> int:
@@ -65,7 +76,8 @@ def test_training_under_any_plan_is_exact(case: BlockCase) -> None:
 
 class _Writes(nn.Module):
     """Writes everything plan() must put back: buffers, a parameter in place, an own
-    generator, the global RNG, batch norm statistics."""
+    generator, the global RNG, batch norm statistics, a plain attribute and a warm-up
+    switch, Python's random."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -75,6 +87,7 @@ class _Writes(nn.Module):
                 nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5)),
                 nn.Sequential(Banked(4), InPlaceWeight(4), OwnGenerator(7)),
                 nn.Sequential(nn.Linear(4, 4), scopedckpt.Dropout(0.3), nn.RReLU()),
+                nn.Sequential(Tally(), WarmUp(), PythonCoin()),
             ]
         )
 
@@ -94,17 +107,20 @@ def test_plan_leaves_no_trace() -> None:
     grads = [p.grad for p in model.parameters()]
     generator = model.blocks[1][2].generator
     state, rng, own = _state(model), torch.get_rng_state(), generator.get_state()
+    python = random.getstate()
     untouched = [*model.blocks[0].parameters(), *model.blocks[2].parameters()]
     versions = [p._version for p in untouched]
     plan = scopedckpt.plan(model, tokens, budget=1.0)
     _assert_same(_state(model), state)
     assert torch.equal(torch.get_rng_state(), rng)
     assert torch.equal(generator.get_state(), own)
+    assert random.getstate() == python
+    assert model.blocks[3][0].calls == 0 and model.blocks[3][1].calls == 0
     assert all(p.grad is g for p, g in zip(model.parameters(), grads))
     assert all(torch.equal(g, torch.full_like(g, 0.5)) for g in grads)
     # Parameters nobody wrote are not even copied back.
     assert [p._version for p in untouched] == versions
-    assert [b.choice for b in plan.blocks] == ["none"] * 3
+    assert [b.choice for b in plan.blocks] == ["none"] * 4
 
 
 def test_plan_puts_back_a_reassigned_buffer() -> None:

@@ -1,13 +1,15 @@
-"""Run training steps on a model and leave no trace: parameters, gradients, buffers
-and random streams are, bit for bit, what they were before.
+"""Run training steps on a model and leave no trace: parameters, gradients, buffers,
+module attributes and random streams are, bit for bit, what they were before.
 
 NOTE [ leaving no trace ]
 =========================
 ``plan()`` runs steps of the user's model to measure them; afterwards nothing
 may differ, or the plan would change the training it plans. On entry
 :class:`Untouched` keeps the gradients' objects (and sets them to None, as a
-step after ``zero_grad()`` finds them), clones the buffers, and saves the
-global random states (CPU, and every CUDA device once CUDA is initialized).
+step after ``zero_grad()`` finds them), clones the buffers, keeps a shallow
+copy of every module's attributes (a call counter, a warm-up switch, the
+training flag), and saves the global random states (CPU, every CUDA device
+once CUDA is initialized, Python's ``random``, NumPy's where imported).
 Parameters are not cloned up front (a model's parameters may be most of its
 memory): :meth:`Untouched.before_op`, called before every op by the counting
 mode, clones a parameter before the first op that writes it in place (an
@@ -22,6 +24,8 @@ op was seen) cannot be put back: that raises.
 
 from __future__ import annotations
 
+import random
+import sys
 from types import TracebackType
 from typing import Any
 
@@ -66,6 +70,10 @@ class Untouched:
         self._generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         self._rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
         self._written: dict[Any, tuple[tuple[int, str, bool], ...]] = {}  # by op
+        # every module's __dict__ and a shallow copy of it; Python's and NumPy's RNG states
+        self._attributes: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        self._python: Any = None
+        self._numpy: Any = None
 
     def __enter__(self) -> Untouched:
         for prefix, module in self.model.named_modules(remove_duplicate=True):
@@ -90,6 +98,10 @@ class Untouched:
         self.clear_grads()
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         self._rng = (torch.get_rng_state(), cuda)
+        self._attributes = [(vars(m), dict(vars(m))) for m in self.model.modules()]
+        self._python = random.getstate()
+        numpy = sys.modules.get("numpy")
+        self._numpy = None if numpy is None else (numpy.random, numpy.random.get_state())
         return self
 
     def clear_grads(self) -> None:
@@ -120,6 +132,12 @@ class Untouched:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        for attributes, before in self._attributes:
+            for name in [name for name in attributes if name not in before]:
+                del attributes[name]
+            for name, value in before.items():
+                if attributes.get(name) is not value:
+                    attributes[name] = value
         for slots, name, tensor in self._slots:
             slots[name] = tensor
         lost = []
@@ -137,6 +155,9 @@ class Untouched:
             tensor.grad = grad
         for generator, state in self._generators.values():
             generator.set_state(state)
+        random.setstate(self._python)
+        if self._numpy is not None:
+            self._numpy[0].set_state(self._numpy[1])
         assert self._rng is not None
         torch.set_rng_state(self._rng[0])
         if self._rng[1] is not None:

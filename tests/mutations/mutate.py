@@ -1364,6 +1364,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "a recompute that took another path hands backward misplaced tensors",
     ),
     Mutant(
+        "untouched_leaves_attributes",
+        "scopedckpt/planner/_untouched.py",
+        "        self._attributes = [(vars(m), dict(vars(m))) for m in self.model.modules()]\n",
+        "        self._attributes = []\n",
+        ("tests/test_plan.py",),
+        "plan() advances a model's call counters and warm-up switches: training after it differs",
+    ),
+    Mutant(
+        "untouched_leaves_python_random",
+        "scopedckpt/planner/_untouched.py",
+        "        random.setstate(self._python)\n",
+        "",
+        ("tests/test_plan.py",),
+        "plan() draws from Python's random: LayerDrop after it takes other layers",
+    ),
+    Mutant(
         "world_records_the_live_parametrize_cache",
         "scopedckpt/mechanisms/_world.py",
         "        world.parametrize = (enabled, dict(cache))",
