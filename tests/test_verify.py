@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import scopedckpt
+from scopedckpt.core import _targets
 from scopedckpt.integrations import patch_torch_checkpoint
 from scopedckpt.mechanisms import _verify
 from scopedckpt.testing import assert_checkpoint_equivalent
@@ -78,6 +79,8 @@ def test_a_python_attribute_changed_in_forward_is_caught_and_named() -> None:
         loss = model(torch.randn(3, 4)).sum()
     with pytest.raises(scopedckpt.ScopedCkptError) as error:
         loss.backward()
+    # The step is lost: its module targets are unpatched now, though `loss` keeps the graph.
+    assert not _targets._PATCHES
     message = str(error.value)
     assert "bitwise verification failed" in message
     assert "'1' (Sequential)" in message  # the region
@@ -420,3 +423,26 @@ def test_memory_report_counts_the_verified_tensors() -> None:
     (row,) = report.rows
     assert row["recomputes"] == 1 and row["verified"] >= 2  # linear input, tanh output
     assert "verified" in str(report)
+
+
+class NormalizedTwice(nn.Module):
+    """One torch batch norm (not converted) called twice in a region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(self.norm(x))).tanh()
+
+
+def test_a_batch_norm_called_twice_in_a_region_passes_bitwise_verification() -> None:
+    """Its first call saves its running statistics, which its second call updates in place
+    before the first forward's fingerprints are taken (at its end): they are not compared
+    (backward in training does not read them), so the exact model passes, over 3 steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(NormalizedTwice(), nn.Linear(4, 1))
+    assert_checkpoint_equivalent(
+        model, torch.randn(8, 4), targets=[model[0]], steps=3, determinism_check="bitwise"
+    )
