@@ -47,6 +47,7 @@ from .layers._layers import (
 )
 from .mechanisms._module_state import Stateful
 from .mechanisms._report import MemoryReport, memory_report
+from .planner._measure import measure_peak
 from .planner._plan import Plan, plan
 
 __version__ = "0.1.0"
@@ -74,6 +75,7 @@ __all__ = [
     "functional",
     "integrations",
     "is_recomputing",
+    "measure_peak",
     "memory_report",
     "phase",
     "plan",

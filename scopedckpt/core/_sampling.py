@@ -75,6 +75,7 @@ class Site:
 
 class _Sampling:
     every = 64
+    counting = True  # False inside suspended(): its calls use up no site's first call
     sites: ClassVar[dict[int, Site]] = {}  # site key -> its Site
 
 
@@ -136,12 +137,15 @@ def set_verification_sampling(every: int) -> int:
 
 @contextlib.contextmanager
 def suspended() -> Iterator[None]:
-    """No sampled verification inside (process-wide): for code that compares by itself."""
+    """No sampled verification inside (process-wide), and no calls counted: for code that
+    compares by itself (``plan()``'s profiling, the testing helper), so that the first call
+    a user makes after it is still a site's first, verified."""
     previous, _Sampling.every = _Sampling.every, 0
+    counting, _Sampling.counting = _Sampling.counting, False
     try:
         yield
     finally:
-        _Sampling.every = previous
+        _Sampling.every, _Sampling.counting = previous, counting
 
 
 def site_of(owner: object | None, fn: object) -> tuple[int, object]:
@@ -187,7 +191,7 @@ def sampled_check(check: str, owner: object | None, fn: object) -> tuple[str, Si
     and the call's site under the default check (the light check's), else None."""
     if check != "default":
         return check, None
-    found = site(owner, fn)
+    found = site(owner, fn, count=_Sampling.counting)
     every = _Sampling.every
     if every and sampled(found.calls - 1, every):
         return "bitwise", found

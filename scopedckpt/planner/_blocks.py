@@ -61,9 +61,23 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def candidates(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]]:
     """``plan(blocks=...)`` as (qualified name, module) pairs: :func:`find_blocks` for None,
-    else every module the targets select in ``model``, which must hold them all."""
+    else every module the targets select in ``model``, which must hold them all.
+
+    An ``nn.Sequential`` passed directly stands for its children, as an ``nn.ModuleList``
+    does (``blocks=model`` for a Sequential model: its layers); in a list it is one block.
+    The model itself is never a block: a region around the whole step saves nothing.
+
+    Example
+    -------
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    >>> [name for name, _ in candidates(model, model)]
+    ['0', '1']
+    """
     if blocks is None:
         return find_blocks(model)
+    if isinstance(blocks, nn.Sequential):
+        blocks = list(blocks.children())  # what a user means: its layers
     targets = blocks if isinstance(blocks, (list, tuple)) else (blocks,)
     modules, classes, _ = resolve_targets(tuple(targets), model)
     names = {id(m): name for name, m in model.named_modules()}
@@ -76,7 +90,32 @@ def candidates(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]]:
                 f"a submodule of the model ({type(model).__name__}). Pass blocks of the model "
                 "you plan for."
             )
+        if module is model:
+            raise ScopedCkptError(
+                f"scopedckpt: plan(blocks=...) makes the whole model ({type(model).__name__}) "
+                "a block, which saves no memory (its recompute rebuilds every activation at "
+                f"once). {_blocks_hint(model)}"
+            )
         found.append((names[id(module)], module))
     if not found:
-        raise ScopedCkptError("scopedckpt: plan(blocks=...) selects no module of the model.")
+        raise ScopedCkptError(
+            "scopedckpt: plan(blocks=...) selects no module of the model. Pass modules of "
+            "the model, a class of its modules, or leave blocks= out to find its blocks."
+        )
     return found
+
+
+def _blocks_hint(model: nn.Module) -> str:
+    """Which ``blocks=`` to pass instead of the model."""
+    if isinstance(model, nn.Sequential):
+        return "Pass blocks=model itself, not in a list: a Sequential's children are the blocks."
+    try:
+        found = find_blocks(model)
+    except ScopedCkptError:
+        found = []
+    shown = ", ".join(name for name, _ in found[:3]) + ", ..." * (len(found) > 3)
+    default = f", or leave blocks= out (plan() then takes {shown})" if found else ""
+    return (
+        "Pass the container of its layers (blocks=model.layers, an nn.ModuleList or "
+        f"nn.Sequential), their class{default}."
+    )

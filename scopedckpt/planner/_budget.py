@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["format_bytes", "parse_budget"]
+__all__ = ["check_budget", "format_bytes", "parse_budget"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -47,11 +47,30 @@ def parse_budget(budget: int | float | str, no_checkpoint_peak: int) -> int:
                 "unit: '512MiB', '3GB', '1.5GiB' (KiB/MiB/GiB are powers of 2, KB/MB/GB of "
                 "10), or pass bytes as an int."
             )
-        return max(1, int(float(match.group(1)) * _UNITS[unit]))
+        size = int(float(match.group(1)) * _UNITS[unit])
+        if size <= 0:
+            raise ValueError(f"scopedckpt: plan(budget={budget!r}) must be positive bytes.")
+        return size
     raise TypeError(
         f"scopedckpt: plan(budget=...) must be an int, a float or a str, got "
         f"{type(budget).__name__}."
     )
+
+
+def check_budget(budget: int | float | str) -> None:
+    """Raise what :func:`parse_budget` raises for ``budget``, before the peak it needs is
+    known: ``plan()`` checks its budget before profiling a step.
+
+    Example
+    -------
+    >>> check_budget("3GB")
+    >>> try:
+    ...     check_budget("lots")
+    ... except ValueError as error:
+    ...     print(str(error).split(";")[0])
+    scopedckpt: plan(budget='lots') is not a size
+    """
+    parse_budget(budget, 0)
 
 
 def format_bytes(n: float) -> str:

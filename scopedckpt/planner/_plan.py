@@ -21,7 +21,7 @@ from torch import nn
 from ..core._errors import ScopedCkptError
 from ..core._names import article
 from ._blocks import candidates
-from ._budget import format_bytes, parse_budget
+from ._budget import check_budget, format_bytes, parse_budget
 from ._profile import PRESETS, Profile, default_loss, profile_step
 from ._solve import solve
 
@@ -222,14 +222,17 @@ def plan(
         size (``"512MiB"``, ``"3GB"``) or a float in (0, 1]: that fraction of
         the peak without checkpointing.
     blocks
-        The candidate regions, in any form ``checkpointing()`` takes as targets
-        (a module, an ``nn.ModuleList``, a class, a list of them); default:
-        :func:`scopedckpt.planner._blocks.find_blocks`.
+        The candidate regions: an ``nn.ModuleList`` or an ``nn.Sequential`` of
+        them (its children are the blocks: ``blocks=model`` for a Sequential
+        model), a module, a class (its instances in the model), or a list of
+        those, where a Sequential is one block; default: the repeated blocks
+        :func:`scopedckpt.planner._blocks.find_blocks` finds. Never the model
+        itself.
     loss_fn
         From the model's output to the loss; default: its ``loss`` attribute,
         else the sum of its first floating tensor.
     example_kwargs
-        Keyword inputs of the step (Hugging Face's ``labels=``...).
+        Keyword inputs of the step (Hugging Face's ``labels=``...): a mapping.
 
     Returns
     -------
@@ -237,9 +240,14 @@ def plan(
 
     Raises
     ------
+    TypeError, ValueError
+        Before any step runs, for a model, budget, ``loss_fn`` or
+        ``example_kwargs`` of the wrong kind.
     ScopedCkptError
-        If the budget is below the smallest peak any plan reaches (the message
-        says that smallest budget), or the blocks run twice or nest.
+        Before any step runs, for ``blocks=`` outside the model or the model
+        itself; after profiling, if the budget is below the smallest peak any
+        plan reaches (the message says that smallest budget), or the blocks
+        run twice or nest.
 
     Example
     -------
@@ -250,12 +258,42 @@ def plan(
     >>> [b.choice for b in plan.blocks]      # the whole budget: no regions
     ['none', 'none', 'none', 'none']
     """
+    _check_arguments(model, budget, loss_fn, example_kwargs)
+    found = candidates(model, blocks)  # checks blocks= before any step runs
     kwargs = dict(example_kwargs or {})
-    profile = profile_step(
-        model, candidates(model, blocks), tuple(example_inputs), kwargs, loss_fn or default_loss
-    )
+    profile = profile_step(model, found, tuple(example_inputs), kwargs, loss_fn or default_loss)
     limit = parse_budget(budget, profile.peak)
     return choose(profile, limit, model)
+
+
+def _check_arguments(model: Any, budget: Any, loss_fn: Any, example_kwargs: Any) -> None:
+    """Refuse :func:`plan`'s plain bad arguments before it profiles anything."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"scopedckpt: plan() takes the model first, an nn.Module, and got "
+            f"{type(model).__name__}. Pass plan(model, *example_inputs, budget=...)."
+        )
+    check_budget(budget)
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            f"scopedckpt: plan(loss_fn=...) must be a function from the model's output to "
+            f"the loss, or None, and got {type(loss_fn).__name__}. Pass e.g. "
+            "loss_fn=lambda out: out.loss."
+        )
+    if example_kwargs is None:
+        return
+    if not isinstance(example_kwargs, Mapping):
+        raise TypeError(
+            f"scopedckpt: plan(example_kwargs=...) must be a mapping from keyword names to "
+            f"the step's keyword inputs, or None, and got {type(example_kwargs).__name__}. "
+            "Pass e.g. example_kwargs={'labels': labels}."
+        )
+    for key in example_kwargs:
+        if not isinstance(key, str):
+            raise TypeError(
+                f"scopedckpt: plan(example_kwargs=...) has the key {key!r}, which is not a "
+                "keyword name. Pass str keys, e.g. example_kwargs={'labels': labels}."
+            )
 
 
 def choose(profile: Profile, budget: int, model: nn.Module | None) -> Plan:
@@ -271,7 +309,7 @@ def choose(profile: Profile, budget: int, model: nn.Module | None) -> Plan:
             f"peak any plan of these blocks reaches is {format_bytes(smallest.peak)} "
             f"(without checkpointing: {format_bytes(profile.peak)}). Pass "
             f"budget={smallest.peak} or more, smaller inputs, or finer blocks= (blocks "
-            "that each keep less)."
+            f"that each keep less).{_one_sequential_hint(profile)}"
         )
     planned = []
     for block, choice in zip(profile.blocks, solution.choices):
@@ -298,6 +336,20 @@ def choose(profile: Profile, budget: int, model: nn.Module | None) -> Plan:
         profile.unused,
         profile.seconds,
         model,
+    )
+
+
+def _one_sequential_hint(profile: Profile) -> str:
+    """Where the only block is an ``nn.Sequential`` (given in a list): how to plan over
+    its children instead."""
+    if len(profile.blocks) != 1 or not isinstance(profile.blocks[0].module, nn.Sequential):
+        return ""
+    name = profile.blocks[0].name
+    named = all(part.isidentifier() for part in name.split("."))
+    path = f"model.{name}" if named else f"model.get_submodule({name!r})"
+    return (
+        f" The only block is the nn.Sequential {name!r}: to make its children the blocks, "
+        f"pass it directly, blocks={path}, not in a list."
     )
 
 

@@ -1355,6 +1355,42 @@ MUTANTS: tuple[Mutant, ...] = (
         "a recompute that took another path hands backward misplaced tensors",
     ),
     Mutant(
+        "measure_peak_returns_the_end",
+        "scopedckpt/planner/_measure.py",
+        "    return counter.peak",
+        "    return counter.live",
+        ("tests/test_plan_api.py",),
+        "measure_peak returns what is still alive after the step (gradients), far below its "
+        "peak: every plan looks within budget",
+    ),
+    Mutant(
+        "plan_checks_the_budget_after_profiling",
+        "scopedckpt/planner/_plan.py",
+        "    check_budget(budget)\n",
+        "",
+        ("tests/test_plan_api.py",),
+        "plan(model, x, budget='lots') runs two whole training steps before saying the budget "
+        "is not a size",
+    ),
+    Mutant(
+        "plan_blocks_sequential_is_one_block",
+        "scopedckpt/planner/_blocks.py",
+        "    if isinstance(blocks, nn.Sequential):\n"
+        "        blocks = list(blocks.children())  # what a user means: its layers\n",
+        "",
+        ("tests/test_plan_api.py",),
+        "plan(blocks=model.body) plans one block, the whole Sequential, and no budget below the "
+        "peak fits",
+    ),
+    Mutant(
+        "sampling_counts_suspended_calls",
+        "scopedckpt/core/_sampling.py",
+        "    found = site(owner, fn, count=_Sampling.counting)\n",
+        "    found = site(owner, fn)\n",
+        ("tests/test_plan_api.py",),
+        "the first step after plan() is each site's second call: nothing verifies it",
+    ),
+    Mutant(
         "untouched_leaves_attributes",
         "scopedckpt/planner/_untouched.py",
         "        self._attributes = [(vars(m), dict(vars(m))) for m in self.model.modules()]\n",
