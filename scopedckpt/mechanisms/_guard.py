@@ -28,12 +28,16 @@ as the first forward did:
   pre-hook is installed (a user's may update buffers too), a recompute uses
   the global hook instead of its own pre-hooks. Global forward hooks run
   before a module's own, so a recompute guarded by global hooks (strict mode,
-  selective saving, a foreign pre-hook) still puts the real buffers back from
-  forward hooks of its own, after the module's.
-* *What is guarded:* the registered buffers (``module._buffers``, not those of
-  submodules: each submodule is guarded at its own call) of every module
-  called through ``__call__`` inside a region, and the region's owner module
-  itself; plus any state a module exposes through the :class:`Stateful`
+  selective saving, a foreign pre-hook) still ends each call (a
+  :class:`Stateful` module's state goes back) from forward hooks of its own,
+  after the module's.
+* *What is guarded:* the registered buffers (``module._buffers``) of every
+  module called through ``__call__`` inside a region, and of the region's
+  owner module itself, each with those of its guarded submodules: a forward
+  may write a submodule's buffers without calling it, and without moving
+  their versions (QAT's ``FusedMovingAvgObsFakeQuantize`` updates, and at its
+  first call resizes, its observer child's ``min_val``/``max_val`` in its
+  fused op); plus any state a module exposes through the :class:`Stateful`
   protocol. *Not guarded here:* plain Python attributes (NOTE [ forward's world ]), tensors that are not
   registered buffers, globals, buffers a module registers during its own
   call (the guard looks before the call): use :func:`scopedckpt.replay` or
@@ -49,21 +53,32 @@ as the first forward did:
   buffer the call left bitwise unchanged (a running variance whose update
   rounds back to itself) may have been moved on by later calls when the
   recompute comes, and would then be updated for real (found by the property
-  test). The cost is a copy of each called module's own buffers per call,
-  kept until backward; modules without buffers (most) cost nothing.
-* Recompute: before the same call (the module's own hooks find it) all of
-  its buffers are swapped for fresh copies of their values *before* the
-  first forward's call, so the recompute computes from the same state (a
-  counter read after its update reads the same number) and its own updates
-  land on the copies; after the call the real buffers are put back,
-  untouched. Swapping objects rather than copying values also keeps the real
-  buffers' version counters, which the first forward's graph may have saved.
+  test). The cost is a copy of each called module's buffers per call (and of
+  its submodules', where it has children), kept until backward; modules
+  without buffers (most) cost nothing.
+* Recompute: when it starts, every buffer its calls will swap is swapped for
+  a copy of its value before the first of them in the first forward
+  (``swap_in_first``); the real ones wait under the calls on the guard's
+  stack and go back when it ends. Before each call (the module's own hooks
+  find it) its buffers are swapped again, for fresh copies of their values
+  *before* the first forward's call, so the call computes from the same state
+  (a counter read after its update reads the same number), and the copies
+  its updates land on stay after it. So the recompute reads, before, between
+  and after calls, what the first forward read: QAT's ``ConvBn2d`` reads
+  ``bn.running_var`` before calling ``bn``, a fake quant reads its observer's
+  statistics after calling it. Buffers the unguarded writes swapped keep their
+  copies, of the values at the region's start. Swapping objects rather than
+  copying values also keeps the real buffers' version counters, which the
+  first forward's graph may have saved; the extra cost is one copy of each
+  guarded buffer per recompute.
   A module with buffers that only the recompute calls is not hooked there:
   the region's control flow changed between forward and backward, which
   torch's determinism check reports when the calls save tensors, and strict
   mode always.
 * Scoped batch norm guards itself (throwaway running buffers, no copies), so
-  the guard skips it: the fast path stays fast.
+  the guard skips it: the fast path stays fast. Its statistics read outside
+  its call (``convert`` run on a QAT-fused ``ConvBn2d``) are the real ones:
+  sampled verification reports the difference.
 * ``checkpointing(strict=True)`` turns a changed buffer into a
   :class:`ScopedCkptError` naming the module path: a lint that every stateful
   layer in regions is a scoped one.
@@ -104,7 +119,14 @@ from ..core._torch_private import (
     GLOBAL_POST_HOOKS_ALWAYS_CALLED,
     GLOBAL_PRE_HOOKS,
 )
-from ._module_state import enter, exit_, guarded, initialize_lazy, unwind
+from ._module_state import (
+    enter,
+    exit_,
+    guarded,
+    initialize_lazy,
+    swap_in_first,
+    unwind,
+)
 from ._selective import internal, saves
 
 __all__ = [
@@ -238,9 +260,11 @@ def enter_frame(frame: Frame) -> Callable[..., None]:
             frame.hooks = [h for m in modules.values() for h in _own_hooks(frame, m)]
     else:
         _install(every_call)
-        # Global post hooks run before a module's own: the real buffers go back after
-        # those (which update the swapped copies), from hooks of its own.
+        # Global post hooks run before a module's own: calls end after those (which
+        # update the swapped copies), from hooks of its own.
         frame.exits = [_own_exit(frame, m) for m in modules.values()] if modules else []
+    if states:  # last: nothing after it raises; end() puts the real buffers back
+        swap_in_first(frame)
     return functools.partial(end, frame, every_call, _first_forward_modes(frame))
 
 

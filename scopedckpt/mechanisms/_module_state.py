@@ -2,15 +2,18 @@
 
 The buffer guard (NOTE [ buffer guard ] in ``_guard.py``) decides which calls
 are guarded and when; this module does the guarding of one call: ``enter``
-before it, ``exit_`` after it, ``unwind`` when a frame ends early, and says
-which modules need it at all (``guarded``).
+before it, ``exit_`` after it, ``unwind`` when a frame ends, and says
+which modules need it at all (``guarded``). A call's state is its module's
+buffers and its submodules' (``_nested``); a recompute runs on copies of them from
+its start (``swap_in_first``) to its end (``unwind``).
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -26,6 +29,7 @@ from ._report import stats_of
 from ._verify import not_verified_statistics, verified_call
 
 __all__ = [
+    "SWAPPED",
     "GuardEntry",
     "ModuleState",
     "Stateful",
@@ -35,6 +39,7 @@ __all__ = [
     "guarded",
     "initialize_lazy",
     "self_guarded",
+    "swap_in_first",
     "unwind",
 ]
 
@@ -84,15 +89,19 @@ class ModuleState:
     module: nn.Module
     buffers: list[tuple[str, Tensor]]  # every buffer's value before the call
     state: Any  # the Stateful snapshot, or _NONE
+    # its submodules' buffers' values before the call, as (holder, name, value)
+    nested: Sequence[tuple[nn.Module, str, Tensor]] = ()
 
 
 @dataclass
 class GuardEntry:
-    """A guarded call running now (on the frame's stack)."""
+    """A guarded call running now (on the frame's stack); under a recompute's calls, with
+    index -1, the real buffers of one module it runs on copies of (``swap_in_first``)."""
 
     module: nn.Module
     index: int
-    saved: list[Any]  # (name, tensor): forward, copies before the call; recompute, the reals
+    # (name, tensor): forward, copies before the call; recompute, none (index -1: the reals)
+    saved: list[Any]
     state: Any  # forward: the snapshot; recompute: the state to put back
 
 
@@ -159,6 +168,24 @@ def _same(a: Any, b: Tensor) -> bool:
     return isinstance(a, Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
 
 
+def _nested(module: nn.Module) -> Sequence[tuple[nn.Module, str, Tensor]]:
+    """Copies of the buffers of ``module``'s guarded submodules, as (holder, name, copy).
+
+    A forward may write a submodule's buffers without calling it (QAT's fused fake
+    quant updates its observer child's statistics in its op, moving no version: NOTE [
+    buffer guard ]). A leaf (a batch norm) costs one look for children.
+    """
+    if next(module.children(), None) is None:
+        return ()
+    return [
+        (sub, name, b.clone())
+        for sub in module.modules()
+        if sub is not module and guarded(sub)
+        for name, b in module_buffers(sub).items()
+        if b is not None and not is_lazy(b)
+    ]
+
+
 def count_call(frame: Frame, module: nn.Module) -> int:
     """How many calls of ``module`` came before this one in the frame (and count this one)."""
     index = frame.calls.get(id(module), 0)
@@ -171,16 +198,18 @@ def enter(frame: Frame, module: nn.Module) -> int:
 
     Returns the call's index (how many calls of the module came before it)."""
     if verified_call(frame.tape) is not None:
-        not_verified_statistics(module)  # the real ones now, the swapped copies below
+        not_verified_statistics(module)  # the registered ones now, the swapped copies below
     index = count_call(frame, module)
     stateful = _stateful(module)
     if frame.phase is not RECOMPUTE:
         saved = [(n, b.clone()) for n, b in module_buffers(module).items() if b is not None]
         state = _snapshot(module) if stateful else _NONE
-        frame.tape.states[(id(module), index)] = ModuleState(module, saved, state)
+        nested = _nested(module)
+        frame.tape.states[(id(module), index)] = ModuleState(module, saved, state, nested)
         stats = stats_of(frame.tape)
         if stats is not None:  # the memory report's row counts the copies as kept
             stats.kept_bytes += sum(tensor.nbytes for _, tensor in saved)
+            stats.kept_bytes += sum(tensor.nbytes for *_, tensor in nested)
         if frame.scope.strict:  # checked after the call (exit_)
             frame.guards.append(GuardEntry(module, index, saved, state))
         return index
@@ -194,19 +223,61 @@ def enter(frame: Frame, module: nn.Module) -> int:
             "state, has no state to recompute it from. The region's control flow must not "
             "depend on data that changes between forward and backward."
         )
-    swapped: list[Any] = []
+    # The buffers hold copies since the recompute started (swap_in_first): fresh ones of
+    # the values before this call, left after it, as the first forward left the real ones.
     for name, before in record.buffers:
-        swapped.append((name, module_buffers(module).get(name)))
         # A copy: a later recompute needs `before` again.
         module_buffers(module)[name] = before.clone()
+    for holder, name, before in record.nested:
+        module_buffers(holder)[name] = before.clone()
     if verified_call(frame.tape) is not None:
         not_verified_statistics(module)
     current = _NONE
     if record.state is not _NONE:
         current = _snapshot(module)
         _restore(module, record.state)
-    frame.guards.append(GuardEntry(module, index, swapped, current))
+    frame.guards.append(GuardEntry(module, index, [], current))
     return index
+
+
+# The buffers (module id, name) the recompute frames being run in this context have
+# swapped copies in for (NOTE [ unguarded writes ] in _written.py, which sets it): a region
+# nested in another runs its forward again inside the outer one's recompute, where the
+# outer's copies already hold the values its first forward found, and its writes must
+# land on them; and swap_in_first leaves them, holding the values at the region's start.
+SWAPPED: contextvars.ContextVar[frozenset[tuple[int, str]]] = contextvars.ContextVar(
+    "scopedckpt_swapped", default=frozenset()
+)
+
+
+def swap_in_first(frame: Frame) -> None:
+    """A recompute starts: swap copies in for every buffer its calls will swap, of their
+    values before the first of them in the first forward, until the recompute ends.
+
+    Its calls swap fresh copies in and leave them: between and before calls the
+    recompute reads what the first forward read (QAT's ``ConvBn2d`` folds
+    ``bn.running_var`` into its weight before calling ``bn``; a fake quant reads its
+    observer's statistics after calling it). The real ones go on the guard's stack,
+    under the calls, and ``unwind`` puts them back. Buffers the unguarded writes swapped
+    (``SWAPPED``) already hold copies, of their values at the region's start.
+    """
+    skip = SWAPPED.get()
+    reals: dict[int, GuardEntry] = {}  # by holder id
+    seen: set[tuple[int, str]] = set()
+    for record in frame.tape.states.values():  # in the order of the calls
+        own = ((record.module, name, before) for name, before in record.buffers)
+        for holder, name, before in (*own, *record.nested):
+            key = (id(holder), name)
+            if key in seen or key in skip:
+                continue
+            seen.add(key)
+            entry = reals.get(id(holder))
+            if entry is None:
+                entry = reals[id(holder)] = GuardEntry(holder, -1, [], _NONE)
+            buffers = module_buffers(holder)
+            entry.saved.append((name, buffers.get(name)))
+            buffers[name] = before.clone()  # a copy: later recomputes need `before` again
+    frame.guards.extend(reals.values())
 
 
 def initialize_lazy(frame: Frame, module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -270,7 +341,8 @@ def _put_back(entry: GuardEntry) -> None:
 
 
 def unwind(frame: Frame) -> None:
-    """Leave no swapped buffer behind when a frame ends early (error, early stop)."""
+    """Leave no swapped buffer behind when a frame ends: a recompute's real buffers
+    (``swap_in_first``), and after an error or early stop its calls' states."""
     while frame.guards:
         entry = frame.guards.pop()
         if frame.phase is RECOMPUTE:

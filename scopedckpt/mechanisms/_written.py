@@ -4,10 +4,11 @@ replayed from copies taken when the region starts: a region mechanism.
 NOTE [ unguarded writes ]
 =========================
 A recompute runs a region's forward again. The buffer guard (NOTE [ buffer
-guard ] in ``_guard.py``) swaps copies in for the buffers of each module *call*
-the region makes, and scoped batch norm keeps its own. Writes outside those
-calls escape both, and a recompute would repeat them on the real tensors and
-compute from their new values:
+guard ] in ``_guard.py``) swaps copies in for the buffers of the modules the
+region *calls* (with their submodules'), of their values before each call, and
+scoped batch norm keeps its own. Writes outside those calls escape both, and a
+recompute would repeat them on the real tensors (or on the guard's copies,
+which already hold them) and compute from their new values:
 
 * a buffer written other than by its module's own forward (issue 25, hole 4):
   a memory bank pushed through a method (``self.bank.push(k)``, called or not
@@ -51,7 +52,9 @@ its first forward ends:
   backward.
 
 Not seen: writes that move no version (through ``.data``, or kernels that update
-their arguments without one) and tensors outside the subtree, which sampled
+their arguments without one) but those a guarded call makes to its module's or
+its submodules' buffers (the guard copies those whatever their versions), and
+tensors outside the subtree, which sampled
 verification (NOTE [ sampled verification ]) catches when they reach a saved
 tensor. The cost, for a model whose modules write tensors: one more copy of each
 written tensor per region (for batch norms not converted, their step counter),
@@ -75,6 +78,7 @@ from ..core._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape, module_pa
 from ..core._subtree import Listing, current_parameters, subtree
 from ..core._torch_private import module_buffers, module_parameters, version_of
 from ._guard import modules_called
+from ._module_state import SWAPPED as _SWAPPED
 from ._report import stats_of
 
 __all__ = ["FRAME_PHASES", "Copies", "Noted", "enter_frame", "start_region"]
@@ -164,6 +168,8 @@ def enter_frame(frame: Frame) -> Callable[..., None] | None:
     copies.listing.learning = False
     if not copies.buffers and not copies.parameters:
         return None
+    # The buffers the recompute frames run in this context swapped copies in for (set
+    # here, and read by the guard's swap_in_first, which leaves them alone).
     swapped = _SWAPPED.get()
     found: list[tuple[dict[str, Any], str, Any]] = []
     keys = []
@@ -190,15 +196,6 @@ def enter_frame(frame: Frame) -> Callable[..., None] | None:
         return None
     token = _SWAPPED.set(swapped | frozenset(keys))
     return functools.partial(_put_back, found, token)
-
-
-# The buffers (module id, name) the recompute frames being run in this context have
-# swapped copies in for. NOTE [ unguarded writes ]: a region nested in another runs its
-# forward again inside the outer one's recompute, where the outer's copies already hold
-# the values its first forward found, and its writes must land on them.
-_SWAPPED: contextvars.ContextVar[frozenset[tuple[int, str]]] = contextvars.ContextVar(
-    "scopedckpt_swapped", default=frozenset()
-)
 
 
 def _put_back(
