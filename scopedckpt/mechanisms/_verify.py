@@ -32,11 +32,12 @@ bit, without keeping copies of the activations:
   recomputed tensor must match one of the two. They are held weakly: a tensor
   the forward freed was not written after it was saved (a program that writes a
   saved tensor in place fails in plain training's backward), so a verified call
-  keeps no activation alive that an unverified one frees, and costs time, not
-  memory. Only tensors saved under ``F.rrelu`` (whose noise the kernel writes
-  after autograd saved it, and which lives only as long as the op) are held
-  strongly to the forward's end. The recomputed side is fingerprinted when
-  torch checks, after the recompute.
+  keeps no activation alive that an unverified one frees (NOTE [ no cycle
+  through the tape ]): it costs time, and its fingerprints' memory (which a
+  plan's peak does not count yet). Only tensors saved under ``F.rrelu`` (whose
+  noise the kernel writes after autograd saved it, and which lives only as long
+  as the op) are held strongly to the forward's end. The recomputed side is
+  fingerprinted when torch checks, after the recompute.
 * On a mismatch the first differing tensor (in the order the forward saved
   them) raises :class:`ScopedCkptError` naming the region, the tensor's
   position, shape and dtype, the source line that saved it (the innermost
@@ -74,7 +75,7 @@ from ..core._options import BITWISE
 from ..core._state import FORWARD, FRAME, Frame, RegionCall, Tape, region_name
 from ..core._torch_private import NormBase, recompute_whole, register_determinism_check, version_of
 from ._bits import differences, sample, sums
-from ._report import stats_of
+from ._report import RegionStats, stats_of
 from ._selective import internal, saves
 
 __all__ = [
@@ -110,11 +111,15 @@ _SKIPPED_SOURCES = (
 
 @dataclass
 class Verifying:
-    """A verified region (on its tape): its call, and the fingerprints its first forward
-    has still to take."""
+    """A verified region (on its tape): its call, its memory report row, and the
+    fingerprints its first forward has still to take."""
 
     call: RegionCall
-    tape: Tape
+    # NOTE [ no cycle through the tape ]: the tape holds this record, so this record does
+    # not hold the tape. A cycle would outlive the region's backward until the garbage
+    # collector ran, and with it the tape's kept op outputs (a save= policy's, a whole
+    # block's worth each): a verified step would peak above the same step unverified.
+    stats: RegionStats | None
     pending: list[Fingerprint] = field(default_factory=list)
     saved: int = 0  # tensors its first forward saved so far
 
@@ -149,7 +154,7 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
     """A region with ``determinism_check="bitwise"`` is verified: act in its first forward."""
     if call.determinism_check != BITWISE:
         return False
-    tape.verifying = Verifying(call, tape)
+    tape.verifying = Verifying(call, stats_of(tape))  # _report started before
     return True
 
 
@@ -266,7 +271,7 @@ class Fingerprint:
         same = (self.shape, self.dtype, self.device) == (other.shape, other.dtype, other.device)
         if same and self.sums is not None and other.sums is not None:
             COUNTERS.compared += 1
-            stats = None if self.region is None else stats_of(self.region.tape)
+            stats = None if self.region is None else self.region.stats
             if stats is not None:  # a memory_report() block counts it
                 stats.verified += 1
             same = torch.equal(self.sums, other.sums) or (

@@ -189,14 +189,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "an unscoped draw after a scoped dropout sees a stream shifted by one seed",
     ),
     Mutant(
-        "guard_does_not_swap",
-        "scopedckpt/mechanisms/_module_state.py",
-        "module_buffers(module)[name] = before.clone()",
-        "pass",
-        ("tests/test_guard.py", "tests/test_exactness.py"),
-        "a recompute updates unconverted batch norms and counters a second time",
-    ),
-    Mutant(
         "guard_swaps_without_a_copy",
         "scopedckpt/mechanisms/_module_state.py",
         "module_buffers(module)[name] = before.clone()",
@@ -398,22 +390,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "            if True:",
         ("tests/test_report.py",),
         "the report counts the transposed weights linear layers save as freed by checkpointing",
-    ),
-    Mutant(
-        "guard_runs_after_the_modules_own_pre_hooks",
-        "scopedckpt/mechanisms/_guard.py",
-        "module.register_forward_pre_hook(pre, prepend=True),",
-        "module.register_forward_pre_hook(pre),",
-        ("tests/test_guard.py",),
-        "spectral norm's own pre-hook updates its buffers a second time in the recompute",
-    ),
-    Mutant(
-        "guard_global_hook_not_first",
-        "scopedckpt/mechanisms/_guard.py",
-        "            GLOBAL_PRE_HOOKS.move_to_end(_KEY, last=False)",
-        "            pass",
-        ("tests/test_guard.py",),
-        "a user's global pre-hook updates a buffer before the guard copies it",
     ),
     Mutant(
         "recompute_ignores_foreign_global_hooks",
@@ -864,24 +840,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "        pass",
         ("tests/test_verify.py",),
         "an eval-mode RReLU region fails verification on garbage its backward never reads",
-    ),
-    Mutant(
-        "guard_puts_buffers_back_before_the_modules_own_post_hooks",
-        "scopedckpt/mechanisms/_guard.py",
-        "    return module.register_forward_hook(post, always_call=True)",
-        "    return module.register_forward_hook(post, always_call=True, prepend=True)",
-        ("tests/test_guard.py",),
-        "a module's own forward hook that updates a buffer updates the real one again in "
-        "every recompute",
-    ),
-    Mutant(
-        "guard_global_post_hook_puts_buffers_back_first",
-        "scopedckpt/mechanisms/_guard.py",
-        "    if frame.exits is None and frame.guards and frame.guards[-1].module is module:",
-        "    if frame.guards and frame.guards[-1].module is module:",
-        ("tests/test_guard.py",),
-        "in strict mode and under selective saving a module's own forward hook updates its "
-        "real buffer again in every recompute",
     ),
     Mutant(
         "policy_built_in_the_trace",
@@ -1389,6 +1347,34 @@ MUTANTS: tuple[Mutant, ...] = (
         "    found = site(owner, fn)\n",
         ("tests/test_plan_api.py",),
         "the first step after plan() is each site's second call: nothing verifies it",
+    ),
+    Mutant(
+        "guard_skips_submodules_buffers",
+        "scopedckpt/mechanisms/_module_state.py",
+        "    if next(module.children(), None) is None:\n        return ()",
+        "    if True:\n        return ()",
+        ("tests/test_qat.py",),
+        "QAT with a fused fake quant fails in step 0's recompute with an IndexError: its "
+        "observer child's statistics, written without a call or a version, are not copied",
+    ),
+    Mutant(
+        "guard_recompute_starts_on_the_real_buffers",
+        "scopedckpt/mechanisms/_module_state.py",
+        "            buffers[name] = before.clone()  # a copy: later recomputes need `before` again",
+        "            pass",
+        ("tests/test_qat.py",),
+        "QAT's fused ConvBn2d folds the running variance its batch norm's first-forward call "
+        "already updated: sampled verification fails the step",
+    ),
+    Mutant(
+        "verify_tape_cycle",
+        "scopedckpt/mechanisms/_verify.py",
+        "    tape.verifying = Verifying(call, stats_of(tape))  # _report started before",
+        "    tape.verifying = Verifying(call, stats_of(tape))\n"
+        "    tape.verifying.tape = tape  # type: ignore[attr-defined]",
+        ("tests/test_plan_api.py",),
+        "a verified region with a save= preset keeps its kept op outputs alive until the "
+        "garbage collector runs: a verified step peaks about a block's worth above the plan",
     ),
     Mutant(
         "untouched_leaves_attributes",
