@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
+import weakref
 
 import pytest
 import torch
@@ -446,3 +447,19 @@ def test_a_batch_norm_called_twice_in_a_region_passes_bitwise_verification() -> 
     assert_checkpoint_equivalent(
         model, torch.randn(8, 4), targets=[model[0]], steps=3, determinism_check="bitwise"
     )
+
+
+def test_a_verified_region_keeps_its_input_no_longer_than_its_backward() -> None:
+    """A training loop's loss (and with it the graph) often lives until the next step's
+    forward; a verified region's tape goes with its backward (NOTE [ no cycle through the
+    tape ]), and its input with it."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    h = torch.randn(3, 4, requires_grad=True) * 2  # the region's input, made here
+    input_ref = weakref.ref(h)
+    with scopedckpt.checkpointing(block, determinism_check="bitwise"):
+        loss = block(h).sum()
+    del h
+    loss.backward()
+    assert input_ref() is None  # freed by backward, although `loss` is alive
+    del loss

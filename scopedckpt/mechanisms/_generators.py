@@ -45,11 +45,6 @@ Scoped layers given ``generator=`` record their seeds; a recompute that
 replays their generator draws each seed again (NOTE [ aligned draws ] in
 ``_dropout.py``). The generators scoped layers build masks with (``_mask.py``,
 reseeded at every use) are never stashed, like the default ones.
-
-Compiled code run by a watched region: dynamo compiles it for the torch
-function modes in force, so the watch lets every call through while dynamo
-traces, and the recomputes of a watched forward run under a watch that sees
-nothing: both compile the same graph and save the same tensors.
 """
 
 from __future__ import annotations
@@ -84,8 +79,8 @@ class Generators:
     """A region's explicit generators (``tape.generators``)."""
 
     stash: Stash
-    # Its first forward runs under the watch, so its recomputes do too (seeing nothing):
-    # compiled code in the region is compiled for the torch function modes in force.
+    # Its first forward runs under the watch, its recomputes under one that sees nothing:
+    # dynamo compiles code for the modes in force, so both trace (and save) the same.
     watched: bool
 
 
@@ -104,9 +99,9 @@ def _given(fn: object) -> list[object]:
     return carried
 
 
-def _add(found: Stash, generators: Iterable[torch.Generator]) -> None:
+def _add(found: Stash, generators: Iterable[torch.Generator], skip: set[int]) -> None:
     for generator in generators:
-        if all(g is not generator for g, _ in found) and generator not in MASK_GENERATORS:
+        if id(generator) not in skip and all(g is not generator for g, _ in found):
             found.append((generator, generator.get_state()))
 
 
@@ -121,20 +116,19 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
     ):
         return False  # the common case: nothing to look at
     stash: Stash = []
-    _add(stash, call.scope.generators)
+    skip = _defaults() | {id(g) for g in MASK_GENERATORS}
+    _add(stash, call.scope.generators, skip)
     for ref, name in places:
         module = ref()
         if module is not None:
-            _add(stash, generators_in(vars(module).get(name)))
+            _add(stash, generators_in(vars(module).get(name)), skip)
     given = [value for _, value in call.others]
     if fn is not call.module:
         given.extend(_given(fn))
     for value in given:
-        _add(stash, generators_in(value))
+        _add(stash, generators_in(value), skip)
     if site is not None:
-        _add(stash, [g for ref in site.generators if (g := ref()) is not None])
-    default = _defaults()
-    stash = [(g, state) for g, state in stash if id(g) not in default]
+        _add(stash, [g for ref in site.generators if (g := ref()) is not None], skip)
     if not stash and not watched:
         return False
     tape.generators = Generators(stash, watched)
@@ -143,8 +137,7 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
 
 def replays(tape: Tape, generator: torch.Generator) -> bool:
     """Whether the region replays ``generator`` (scoped layers drawing from it align)."""
-    generators = tape.generators
-    return generators is not None and any(g is generator for g, _ in generators.stash)
+    return tape.generators is not None and any(g is generator for g, _ in tape.generators.stash)
 
 
 def enter_frame(frame: Frame) -> Callable[..., None] | None:
@@ -245,9 +238,8 @@ def _seeded_only(generator: torch.Generator, state: torch.Tensor) -> bool:
 
 
 _FIX = (
-    "Register it with checkpointing(generators=[g]), or hold it where scopedckpt finds it "
-    "when a region starts: an attribute of a module the region runs, set when the module "
-    "is built, or an argument of the region."
+    "Or hold it as an attribute of a module the region runs, set when the module is built, "
+    "or pass it to the region."
 )
 
 
@@ -266,8 +258,8 @@ def _message(call: RegionCall) -> str:
         f"scopedckpt: {region_name(call)} drew from a torch.Generator it did not hold when "
         "it started, and it has drawn since it was seeded; register it with "
         "checkpointing(generators=[g]).\n"
-        "No module the region runs held it in an attribute, it is not an argument of the "
-        "region, and no verified call of the region used it before. The region's earlier "
+        "No module the region runs held it, nor did its arguments or earlier verified calls. "
+        "The region's earlier "
         f"calls were not verified (the first of each region and one in {sampling_period()} "
         "after it are), so if they drew from it, their recomputes in backward drew other "
         f"numbers and those steps' gradients are not plain training's. {_FIX}"
