@@ -10,6 +10,7 @@ QAT models; the last ones pin each pattern without ``torch.ao``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -142,6 +143,25 @@ def test_fused_conv_bn_relu_qat_trains_as_without_checkpointing(
     tq = _quantization()
     qconfig = tq.get_default_qat_qconfig("fbgemm")  # type: ignore[attr-defined]
     _assert_trains_alike(lambda: _conv_model(tq, qconfig), (2, 4, 5, 5), before_step=warm_up)
+
+
+def test_convert_leaves_the_batch_norms_fused_modules_read_and_says_so() -> None:
+    """A fused ConvBnReLU2d reads bn.running_var before calling bn: convert() leaves that
+    batch norm torch's (the buffer guard keeps it exact), names it in its warning, and
+    the converted model trains as the plain one."""
+    tq = _quantization()
+    qconfig = tq.get_default_qat_qconfig("fbgemm")  # type: ignore[attr-defined]
+    with pytest.warns(scopedckpt.ConvertWarning, match=r"b1\.conv\.bn \(BatchNorm2d: read by"):
+        scopedckpt.convert(_conv_model(tq, qconfig))
+
+    def build() -> nn.Module:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", scopedckpt.ConvertWarning)
+            return scopedckpt.convert(_conv_model(tq, qconfig))
+
+    model = build()
+    assert type(model.b1.conv.bn) is nn.BatchNorm2d
+    _assert_trains_alike(build, (2, 4, 5, 5))
 
 
 def test_regions_over_the_fused_modules_and_nested_regions_train_alike() -> None:

@@ -52,6 +52,10 @@ _SCOPED: dict[type[nn.Module], type[nn.Module]] = {
     nn.BatchNorm3d: _layers.BatchNorm3d,
 }
 _SCOPED_TYPES = tuple(set(_SCOPED.values()))
+# Fused modules that read their children's buffers outside the children's calls (QAT's
+# ConvBn2d folds bn.running_var into its weight before calling bn): a scoped child keeps
+# no copies for those reads, so their children stay torch's, under the buffer guard.
+_READS_CHILDREN = "torch.ao.nn.intrinsic"
 _TORCH_TYPES = tuple(_SCOPED)
 
 
@@ -173,19 +177,23 @@ def _unscoped_reason(module: nn.Module) -> str | None:
     return None
 
 
-def _convert(module: nn.Module, name: str, unscoped: list[str]) -> nn.Module:
+def _convert(module: nn.Module, name: str, unscoped: list[str], keep: bool = False) -> nn.Module:
     label = name or "<root>"
     result = module
     if isinstance(module, _SCOPED_TYPES):
         pass
+    elif keep and _unscoped_reason(module) is not None:
+        unscoped.append(f"{label} ({type(module).__qualname__}: read by its fused parent)")
     elif type(module) in _SCOPED:
         result = _scoped_copy(module, _SCOPED[type(module)])
     else:
         reason = _unscoped_reason(module)
         if reason is not None:
             unscoped.append(f"{label} ({type(module).__qualname__}: {reason})")
+    keep = type(result).__module__.startswith(_READS_CHILDREN)
     for child_name, child in list(result.named_children()):
-        new_child = _convert(child, f"{name}.{child_name}" if name else child_name, unscoped)
+        qualified = f"{name}.{child_name}" if name else child_name
+        new_child = _convert(child, qualified, unscoped, keep)
         if new_child is not child:
             setattr(result, child_name, new_child)
     return result

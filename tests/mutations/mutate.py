@@ -1377,6 +1377,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "garbage collector runs: a verified step peaks about a block's worth above the plan",
     ),
     Mutant(
+        "convert_scopes_what_fused_modules_read",
+        "scopedckpt/layers/_convert.py",
+        "    keep = type(result).__module__.startswith(_READS_CHILDREN)\n",
+        "    keep = False\n",
+        ("tests/test_qat.py",),
+        "convert() on a QAT-fused model swaps in a scoped batch norm whose statistics its "
+        "fused parent reads outside its call: sampled verification fails at step 0",
+    ),
+    Mutant(
         "untouched_leaves_attributes",
         "scopedckpt/planner/_untouched.py",
         "        self._attributes = [(vars(m), dict(vars(m))) for m in self.model.modules()]\n",
