@@ -72,7 +72,7 @@ from torch import nn
 from ..core._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape
 from ..core._torch_private import parametrize_cache
 
-__all__ = ["FRAME_PHASES", "Learned", "World", "enter_frame", "start_region"]
+__all__ = ["FRAME_PHASES", "Learned", "World", "enter_frame", "numpy_random", "start_region"]
 
 FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
 
@@ -120,7 +120,7 @@ class World:
         self.parametrize: tuple[int, dict[Any, Any]] | None = None
 
 
-def _numpy_random() -> Any:
+def numpy_random() -> Any:
     """NumPy's ``random`` module where NumPy is imported (a region never imports it)."""
     numpy = sys.modules.get("numpy")
     return None if numpy is None else numpy.random
@@ -149,7 +149,7 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
                 if name not in _MODULE_INTERNALS
             ]
         world.python = random.getstate()
-        numpy = _numpy_random()
+        numpy = numpy_random()
         if numpy is not None:
             world.numpy = numpy.get_state()
     elif learned is not None:
@@ -157,7 +157,7 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
         if learned.python:
             world.python = random.getstate()
         if learned.numpy:
-            numpy = _numpy_random()
+            numpy = numpy_random()
             world.numpy = None if numpy is None else numpy.get_state()
     enabled, cache = parametrize_cache()
     if enabled:  # off: nothing recorded
@@ -212,7 +212,7 @@ def enter_frame(frame: Frame) -> Callable[..., None] | None:
     if world.python is not None:
         python = random.getstate()
         random.setstate(world.python)
-    numpy = _numpy_random() if world.numpy is not None else None
+    numpy = numpy_random() if world.numpy is not None else None
     if numpy is not None:
         numpy_state = numpy.get_state()
         numpy.set_state(world.numpy)
@@ -236,7 +236,7 @@ def _forward_ended(world: World, *exc: object) -> None:
         return
     if world.python is not None and random.getstate() != world.python:
         learned.python = True
-    numpy = _numpy_random()
+    numpy = numpy_random()
     if numpy is not None and world.numpy is not None:
         now = numpy.get_state()
         if any(_differs(a, b) for a, b in zip(now, world.numpy)):

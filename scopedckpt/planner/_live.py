@@ -7,9 +7,10 @@ The planner's unit of memory is what ``torch.cuda.max_memory_allocated`` shows
 minus what was allocated before the step, on any device, CPU included (where
 the process's resident size says little: glibc serves large blocks by ``mmap``
 and keeps freed small ones). :class:`LiveBytes` is a dispatch mode that sees
-every aten op below autograd, the backward's and the recompute's included (a
-CUDA backward runs on autograd's device threads, which take the dispatch modes
-of the thread that called ``backward()``: ``at::ThreadLocalState``), and
+every aten op below autograd, the backward's and the recompute's included (on
+CPU, where backward runs on the calling thread: tested; a CUDA backward runs on
+autograd's device threads, which ``at::ThreadLocalState`` says take the calling
+thread's dispatch modes: read in torch's source, not yet measured here), and
 counts each new storage an op returns by its ``nbytes`` until the storage is
 freed: torch keeps one Python object per live storage, so a weak reference to
 it dies exactly when the storage does. Views

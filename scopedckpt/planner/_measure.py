@@ -20,9 +20,9 @@ def measure_peak(step: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     above what was allocated before the step (parameters, optimizer state, inputs, and
     gradients that already exist are not in it). That is what
     ``torch.cuda.max_memory_allocated()`` shows minus what was allocated before the
-    step, less the CUDA allocator's rounding and caching, and it is measured the same
-    way on every device, the backward's and every recompute's ops included (autograd's
-    worker threads inherit the counting mode). The step runs as it would without the
+    step, less the CUDA allocator's rounding and caching, the backward's and every
+    recompute's ops included (tested on CPU; on CUDA, NOTE [ live bytes ] says what is
+    read in torch's source but not yet measured). The step runs as it would without the
     measurement: the counter only watches the ops go by, so values, gradients and
     random streams are bit for bit the same.
 

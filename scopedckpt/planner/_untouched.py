@@ -25,7 +25,6 @@ op was seen) cannot be put back: that raises.
 from __future__ import annotations
 
 import random
-import sys
 from types import TracebackType
 from typing import Any
 
@@ -34,6 +33,7 @@ from torch import nn
 
 from ..core._errors import ScopedCkptError
 from ..core._torch_private import module_buffers, module_parameters, version_of, written_positions
+from ..mechanisms._world import numpy_random
 
 __all__ = ["Untouched"]
 
@@ -100,8 +100,8 @@ class Untouched:
         self._rng = (torch.get_rng_state(), cuda)
         self._attributes = [(vars(m), dict(vars(m))) for m in self.model.modules()]
         self._python = random.getstate()
-        numpy = sys.modules.get("numpy")
-        self._numpy = None if numpy is None else (numpy.random, numpy.random.get_state())
+        numpy = numpy_random()
+        self._numpy = None if numpy is None else (numpy, numpy.get_state())
         return self
 
     def clear_grads(self) -> None:
