@@ -22,6 +22,8 @@ from scopedckpt.core._light import RecomputeDivergenceError
 from scopedckpt.mechanisms import _verify
 from scopedckpt.planner import _live
 
+from .strategies import ProgramModel, Region, WarmUp
+
 STEPS = 6
 
 
@@ -309,6 +311,34 @@ def test_a_counter_reads_as_in_plain_training_after_the_recompute() -> None:
             loss = model(torch.randn(2, 4)).sum()
         loss.backward()
         assert model[0].calls == step
+
+
+@pytest.mark.usefixtures("every_64")
+def test_a_call_never_recomputed_teaches_its_site_what_its_forward_changed() -> None:
+    """The case the thorough profile found: three regions of one site (a bound method),
+    the second nesting a fourth. The first step recomputes only the third, which starts
+    after the second's forward counted in ``pool[3]``; that counter is learned from the
+    second's own forward, so its recompute at the second step (an unverified call, its nested
+    region now saving a tensor) counts from where the first forward did, and takes its
+    branch."""
+
+    def train(checkpointed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        pool = [WarmUp(), nn.Linear(1, 1), WarmUp(), WarmUp()]
+        program = (Region((0,), False), Region((3, Region((0,), False)), False), Region((0,), False))
+        model = ProgramModel(pool, program)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for _ in range(STEPS):
+            x = torch.tensor([[1.5410], [-0.2934]], requires_grad=True)
+            with scopedckpt.checkpointing() if checkpointed else nullcontext():
+                loss = model(x).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        assert (pool[0].calls, pool[3].calls) == (3 * STEPS, STEPS)
+        return [x.grad, *_parameters(model)]
+
+    assert _equal(train(True), train(False))
 
 
 def test_numpy_draws_in_a_forward_are_replayed() -> None:

@@ -35,10 +35,12 @@ Attributes and random states are costly to record at every call (a
 (``_sampling.Site``) learns what its forward needs on its calls until one of
 them is recomputed (the first step's, nested ones included) and on its
 *verified* calls (NOTE [ sampled verification ]): such a call records every attribute of the subtree's modules and both random
-states, its recompute puts them all in place, notes which attributes changed
-since the region started (by identity: a counter's new int, a mask made, a
-tensor assigned) and whether the forward drew from either RNG; every later
-call of the site records those. A site that starts to need more on an
+states; the end of its forward and the start of its recompute note which
+attributes changed since the region started (by identity: a counter's new int,
+a mask made, a tensor assigned; by the forward itself, so a call never
+recomputed teaches its site too, or by anyone before backward), the former
+whether the forward drew from either RNG; every later call of the site records
+those, and every recompute puts its call's record in place. A site that starts to need more on an
 unverified call (a branch taken after warm-up) is not replayed there: where
 what it changes reaches a saved tensor, the light check (NOTE [ light check ])
 or the path check names the region on that call; a draw whose value reaches
@@ -230,10 +232,12 @@ def enter_frame(frame: Frame) -> Callable[..., None] | None:
 
 
 def _forward_ended(world: World, *exc: object) -> None:
-    """A learning call's first forward ended: whether it drew from either RNG."""
+    """A learning call's first forward ended: the attributes it changed, and whether it
+    drew from either RNG (its site learns them whether or not the call is recomputed)."""
     learned = _learned(world)
     if learned is None:
         return
+    _learn_attributes(world, learned)
     if world.python is not None and random.getstate() != world.python:
         learned.python = True
     numpy = numpy_random()
@@ -249,27 +253,35 @@ def _differs(a: Any, b: Any) -> bool:
 
 
 def _learn(world: World) -> None:
-    """A learning call's recompute starts: the attributes changed since its region
-    started are recorded by every later region of its site."""
+    """A learning call's recompute starts: the attributes changed since its first
+    forward ended, by anyone, are recorded by every later region of its site too."""
     learned = _learned(world)
     if learned is None:
         return
+    _learn_attributes(world, learned)
+    learned.recomputed = True
+
+
+def _learn_attributes(world: World, learned: Learned) -> None:
+    """Add to ``learned`` the attributes of the subtree's modules that changed since the
+    region started; one a module gained since (one that had no attribute of its own at
+    the start too) is recorded by this call as _MISSING, for its recompute to remove."""
     known = {(id(d), name) for d, name in learned.attributes}
     found = list(learned.attributes)
     for d, name, value in world.attributes:
         if d.get(name, _MISSING) is not value and (id(d), name) not in known:
             found.append((d, name))
-    # An attribute a module gained since, in any module of the subtree (one that had no
-    # attribute of its own at the start too): its absence is recorded as _MISSING.
+            known.add((id(d), name))
     recorded = {(id(d), name) for d, name, _ in world.attributes}
     for d in world.dicts:
-        for name in d:
+        for name in list(d):
             key = (id(d), name)
-            if key not in recorded and key not in known and name not in _MODULE_INTERNALS:
-                found.append((d, name))
+            if key not in recorded and name not in _MODULE_INTERNALS:
                 world.attributes.append((d, name, _MISSING))
+                if key not in known:
+                    found.append((d, name))
+                    known.add(key)
     learned.attributes = tuple(found)
-    learned.recomputed = True
 
 
 def _learned(world: World) -> Learned | None:

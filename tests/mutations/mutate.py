@@ -1435,6 +1435,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "a counter or a cached mask the forward writes is read changed by the recompute",
     ),
     Mutant(
+        "world_learns_only_from_recomputes",
+        "scopedckpt/mechanisms/_world.py",
+        "        return\n    _learn_attributes(world, learned)\n    if world.python",
+        "        return\n    if world.python",
+        ("tests/test_world.py",),
+        "a counter changed by a call never recomputed in the first step is not learned",
+    ),
+    Mutant(
         "world_never_replays_python_random",
         "scopedckpt/mechanisms/_world.py",
         "        learned.python = True",
