@@ -7,18 +7,12 @@ recorded and replayed, is in ``_dropout.py``.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor
 
-from .layers._dropout import (
-    check_p,
-    impl_alpha_dropout,
-    impl_dropout,
-    impl_dropout1d,
-    impl_dropout2d,
-    impl_dropout3d,
-    impl_feature_alpha_dropout,
-)
+from .layers._dropout import check_p, scoped_dropout
 
 __all__ = [
     "alpha_dropout",
@@ -30,15 +24,61 @@ __all__ = [
 ]
 
 
-def dropout(
-    input: Tensor,
-    p: float = 0.5,
-    training: bool = True,
-    inplace: bool = False,
-    *,
-    generator: torch.Generator | None = None,
-    save_mask: bool = True,
-) -> Tensor:
+class _Dropout(Protocol):
+    """The signature of every function here; ``training`` defaults to ``False`` for the
+    alpha dropouts, as in :mod:`torch.nn.functional`."""
+
+    def __call__(
+        self,
+        input: Tensor,
+        p: float = 0.5,
+        training: bool = ...,
+        inplace: bool = False,
+        *,
+        generator: torch.Generator | None = None,
+        save_mask: bool = True,
+    ) -> Tensor: ...
+
+
+# The Example of a docstring that gives ``example``, the shape of the input.
+_EXAMPLE = """
+
+    Example
+    -------
+    >>> import torch
+    >>> from scopedckpt import functional as SF
+    >>> SF.{name}(torch.ones({shape}), p=0.5{training}).shape
+    torch.Size([{shape}])
+"""
+
+
+def _function(name: str, training_default: bool, doc: str, example: str = "") -> _Dropout:
+    """The public function ``name``, which checks ``p`` and keys its calls on the tape;
+    ``doc`` is its docstring, completed by an Example on ``torch.ones(example)`` if given."""
+
+    def function(
+        input: Tensor,
+        p: float = 0.5,
+        training: bool = training_default,
+        inplace: bool = False,
+        *,
+        generator: torch.Generator | None = None,
+        save_mask: bool = True,
+    ) -> Tensor:
+        p = check_p(p, name)
+        return scoped_dropout(name, input, p, training, inplace, generator, save_mask, function)
+
+    if example:
+        training = "" if training_default else ", training=True"
+        doc += _EXAMPLE.format(name=name, shape=example, training=training)
+    function.__name__ = function.__qualname__ = name
+    function.__doc__ = doc
+    return function
+
+
+dropout = _function(
+    "dropout",
+    True,
     """Zero each element with probability ``p`` and scale the rest by ``1/(1-p)``.
 
     The scoped counterpart of :func:`torch.nn.functional.dropout`: inside a
@@ -79,121 +119,40 @@ def dropout(
     >>> y = SF.dropout(torch.ones(8), p=0.5)
     >>> sorted(set(y.tolist()))
     [0.0, 2.0]
-    """
-    p = check_p(p, "dropout")
-    return impl_dropout(input, p, training, inplace, generator, save_mask, dropout)
+    """,
+)
 
 
-def dropout1d(
-    input: Tensor,
-    p: float = 0.5,
-    training: bool = True,
-    inplace: bool = False,
-    *,
-    generator: torch.Generator | None = None,
-    save_mask: bool = True,
-) -> Tensor:
-    """Zero whole channels of ``(N, C, L)`` or ``(C, L)`` input; see :func:`dropout`.
-
-    Example
-    -------
-    >>> import torch
-    >>> from scopedckpt import functional as SF
-    >>> SF.dropout1d(torch.ones(2, 3, 4), p=0.5).shape
-    torch.Size([2, 3, 4])
-    """
-    p = check_p(p, "dropout1d")
-    return impl_dropout1d(input, p, training, inplace, generator, save_mask, dropout1d)
-
-
-def dropout2d(
-    input: Tensor,
-    p: float = 0.5,
-    training: bool = True,
-    inplace: bool = False,
-    *,
-    generator: torch.Generator | None = None,
-    save_mask: bool = True,
-) -> Tensor:
+dropout1d = _function(
+    "dropout1d",
+    True,
+    "Zero whole channels of ``(N, C, L)`` or ``(C, L)`` input; see :func:`dropout`.",
+    example="2, 3, 4",
+)
+dropout2d = _function(
+    "dropout2d",
+    True,
     """Zero whole channels of ``(N, C, H, W)`` input; see :func:`dropout`.
 
     Like :func:`torch.nn.functional.dropout2d`, 3D input is taken as
-    ``(N, C, L)`` with a warning.
-
-    Example
-    -------
-    >>> import torch
-    >>> from scopedckpt import functional as SF
-    >>> SF.dropout2d(torch.ones(2, 3, 4, 4), p=0.5).shape
-    torch.Size([2, 3, 4, 4])
-    """
-    p = check_p(p, "dropout2d")
-    return impl_dropout2d(input, p, training, inplace, generator, save_mask, dropout2d)
-
-
-def dropout3d(
-    input: Tensor,
-    p: float = 0.5,
-    training: bool = True,
-    inplace: bool = False,
-    *,
-    generator: torch.Generator | None = None,
-    save_mask: bool = True,
-) -> Tensor:
-    """Zero whole channels of ``(N, C, D, H, W)`` or ``(C, D, H, W)`` input; see :func:`dropout`.
-
-    Example
-    -------
-    >>> import torch
-    >>> from scopedckpt import functional as SF
-    >>> SF.dropout3d(torch.ones(2, 3, 2, 2, 2), p=0.5).shape
-    torch.Size([2, 3, 2, 2, 2])
-    """
-    p = check_p(p, "dropout3d")
-    return impl_dropout3d(input, p, training, inplace, generator, save_mask, dropout3d)
-
-
-def alpha_dropout(
-    input: Tensor,
-    p: float = 0.5,
-    training: bool = False,
-    inplace: bool = False,
-    *,
-    generator: torch.Generator | None = None,
-    save_mask: bool = True,
-) -> Tensor:
-    """Alpha dropout, which keeps SELU's zero mean and unit variance; see :func:`dropout`.
-
-    Example
-    -------
-    >>> import torch
-    >>> from scopedckpt import functional as SF
-    >>> SF.alpha_dropout(torch.ones(4), p=0.5, training=True).shape
-    torch.Size([4])
-    """
-    p = check_p(p, "alpha_dropout")
-    return impl_alpha_dropout(input, p, training, inplace, generator, save_mask, alpha_dropout)
-
-
-def feature_alpha_dropout(
-    input: Tensor,
-    p: float = 0.5,
-    training: bool = False,
-    inplace: bool = False,
-    *,
-    generator: torch.Generator | None = None,
-    save_mask: bool = True,
-) -> Tensor:
-    """Alpha dropout of whole channels; see :func:`alpha_dropout`.
-
-    Example
-    -------
-    >>> import torch
-    >>> from scopedckpt import functional as SF
-    >>> SF.feature_alpha_dropout(torch.ones(2, 3, 4), p=0.5, training=True).shape
-    torch.Size([2, 3, 4])
-    """
-    p = check_p(p, "feature_alpha_dropout")
-    return impl_feature_alpha_dropout(
-        input, p, training, inplace, generator, save_mask, feature_alpha_dropout
-    )
+    ``(N, C, L)`` with a warning.""",
+    example="2, 3, 4, 4",
+)
+dropout3d = _function(
+    "dropout3d",
+    True,
+    "Zero whole channels of ``(N, C, D, H, W)`` or ``(C, D, H, W)`` input; see :func:`dropout`.",
+    example="2, 3, 2, 2, 2",
+)
+alpha_dropout = _function(
+    "alpha_dropout",
+    False,
+    "Alpha dropout, which keeps SELU's zero mean and unit variance; see :func:`dropout`.",
+    example="4",
+)
+feature_alpha_dropout = _function(
+    "feature_alpha_dropout",
+    False,
+    "Alpha dropout of whole channels; see :func:`alpha_dropout`.",
+    example="2, 3, 4",
+)

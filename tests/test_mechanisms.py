@@ -129,18 +129,51 @@ def test_each_mechanism_module_implements_the_protocol() -> None:
 
 
 def test_the_engine_names_no_mechanism_outside_its_registration() -> None:
-    """The region path knows mechanisms only through MECHANISMS (one line of registration).
-
-    One exception: a module-owned region runs the owner's forward without ``__call__``,
-    so the engine has the guard wrap it (``_guard.guarded_call``)."""
+    """The region path knows mechanisms only through MECHANISMS, which the mechanisms
+    package fills: the engine names none of them."""
     engine = Path(_engine.__file__)
     names = {m.__name__.rsplit(".", 1)[1] for m in _mechanisms.MECHANISMS if hasattr(m, "__name__")}
     used: list[str] = []
     for node in ast.walk(ast.parse(engine.read_text())):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-            if node.value.id in names and node.value.id != "_guard":
+            if node.value.id in names:
                 used.append(f"{node.value.id}.{node.attr}")
     assert used == []
+
+
+# What each subpackage may import (besides itself): its layer and the ones below it.
+_LAYERS = {
+    "core": set(),
+    "mechanisms": {"core"},
+    "layers": {"core", "mechanisms"},
+    "planner": {"core", "mechanisms", "policies"},
+    "integrations": {"core", "mechanisms", "layers"},
+    "testing": {"core", "mechanisms", "layers", "planner"},
+}
+
+
+def test_the_subpackages_depend_one_way() -> None:
+    """No import circle between subpackages, not even under TYPE_CHECKING or inside a
+    function: the core imports no mechanism (they register themselves), the mechanisms
+    no layer, and nothing below the planner imports it."""
+    root = Path(scopedckpt.__file__).parent
+    wrong: list[str] = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if len(parts) < 2:
+            continue
+        package = parts[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.level == 0:
+                continue
+            base = list(parts[:-1])[: len(parts) - node.level]
+            target = [*base, *(node.module.split(".") if node.module else [])]
+            if node.module is None:  # from .. import policies
+                target += [alias.name for alias in node.names]
+            other = target[0] if target else ""
+            if other != package and other not in _LAYERS[package]:
+                wrong.append(f"{'/'.join(parts)}:{node.lineno} imports {'.'.join(target)}")
+    assert wrong == []
 
 
 def test_a_region_refused_at_its_start_leaves_no_report_row() -> None:

@@ -325,7 +325,11 @@ def test_a_call_never_recomputed_teaches_its_site_what_its_forward_changed() -> 
     def train(checkpointed: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)
         pool = [WarmUp(), nn.Linear(1, 1), WarmUp(), WarmUp()]
-        program = (Region((0,), False), Region((3, Region((0,), False)), False), Region((0,), False))
+        program = (
+            Region((0,), False),
+            Region((3, Region((0,), False)), False),
+            Region((0,), False),
+        )
         model = ProgramModel(pool, program)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         for _ in range(STEPS):

@@ -10,6 +10,7 @@ import torch
 from torch.utils.checkpoint import DefaultDeviceType
 
 from . import _torch_private
+from ._contexts import Both
 
 __all__ = ["autocast_as", "autocast_state", "device_type"]
 
@@ -32,51 +33,31 @@ def device_type(args: tuple[Any, ...]) -> str:
 
 def autocast_as(state: tuple[Any, ...]) -> Any:
     """Enter the autocast state ``state`` (from :func:`autocast_state`) where it is not
-    the state now."""
+    the state now: as torch's recompute does, the device's, then the CPU's."""
     if state == autocast_state(state[0]):
         return _NOTHING
     device_type, device_kwargs, cpu_kwargs = state
-    return _Autocasts(device_type, device_kwargs, cpu_kwargs)
+    device = (
+        _NOTHING
+        if device_kwargs is None
+        else torch.amp.autocast(device_type=device_type, **dict(device_kwargs))
+    )
+    return Both(device, torch.amp.autocast("cpu", **dict(cpu_kwargs)))
 
 
 _NOTHING = contextlib.nullcontext()  # re-enterable
 
 
-class _Autocasts:
-    """torch's recompute autocast: the device's, then the CPU's."""
-
-    def __init__(self, device_type: str, device_kwargs: Any, cpu_kwargs: Any) -> None:
-        self._contexts = [
-            torch.amp.autocast(device_type=device_type, **dict(device_kwargs))
-            if device_kwargs is not None
-            else _NOTHING,
-            torch.amp.autocast("cpu", **dict(cpu_kwargs)),
-        ]
-
-    def __enter__(self) -> None:
-        for context in self._contexts:
-            context.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        for context in reversed(self._contexts):
-            context.__exit__(*exc)
-
-
 def autocast_state(device_type: str) -> tuple[Any, ...]:
     """The autocast keywords torch's checkpoint records (``_get_autocast_kwargs``)."""
     cache = torch.is_autocast_cache_enabled()
-    device = (
-        (
-            ("enabled", torch.is_autocast_enabled(device_type)),
-            ("dtype", torch.get_autocast_dtype(device_type)),
-            ("cache_enabled", cache),
-        )
-        if torch.amp.is_autocast_available(device_type)
-        else None
-    )
-    cpu = (
-        ("enabled", torch.is_autocast_enabled("cpu")),
-        ("dtype", torch.get_autocast_dtype("cpu")),
+    device = _keywords(device_type, cache) if torch.amp.is_autocast_available(device_type) else None
+    return (device_type, device, _keywords("cpu", cache))
+
+
+def _keywords(device_type: str, cache: bool) -> tuple[tuple[str, Any], ...]:
+    return (
+        ("enabled", torch.is_autocast_enabled(device_type)),
+        ("dtype", torch.get_autocast_dtype(device_type)),
         ("cache_enabled", cache),
     )
-    return (device_type, device, cpu)

@@ -84,7 +84,6 @@ class _EagerFallback:
         self.owner = owner
         self.options = options
         self.contexts: tuple[Any, Any] | None = None
-        self.run = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if where() is not EAGER:
@@ -134,18 +133,17 @@ def compiled_region(
             "compiled backward, with no recompute to fingerprint (NOTE [ bitwise "
             "verification ])."
         )
-    save = options.save
-    if save is None and MIRROR.planned:
+    if options.save is not None:
+        key, modules = _traced_policy_info(options.save)
+    elif MIRROR.planned:
         # A plan's regions differ in policy, which only the eager scope can tell per
         # module (Scope.policy_for): an eager region, a graph break.
         return _eager_policy_region(fn, owner, args, kwargs, options)
-    if save is None:
-        save = MIRROR.save  # a parsed policy (or None)
-        key, modules = (-1, False) if save is None else (save.key, save.selects_modules)
-        if save is not None:
-            options = dataclasses.replace(options, save=save)  # for an eager region below
-    else:
-        key, modules = _traced_policy_info(save)
+    elif MIRROR.save is None:
+        key, modules = -1, False
+    else:  # the innermost block's policy, parsed
+        key, modules = MIRROR.save.key, MIRROR.save.selects_modules
+        options = dataclasses.replace(options, save=MIRROR.save)  # for an eager region below
     if modules or (key >= 0 and options.context_fn is not None):
         # torch's compiled selective checkpointing decides per aten op only, and
         # takes one context_fn: an eager region (a graph break) does both.

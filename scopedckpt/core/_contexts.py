@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ContextFn", "compose"]
+__all__ = ["Both", "ContextFn", "compose"]
 
 ContextFn = Callable[[], tuple[Any, Any]]
 
 
-class _Both:
+class Both:
     """Enter ``outer`` then ``inner``, exit in reverse; re-enterable if both are."""
 
     __slots__ = ("_inner", "_outer")
@@ -44,6 +44,6 @@ def compose(outer: ContextFn, inner: ContextFn) -> ContextFn:
 
     def composed() -> tuple[Any, Any]:
         (forward, recompute), (inner_forward, inner_recompute) = outer(), inner()
-        return _Both(forward, inner_forward), _Both(recompute, inner_recompute)
+        return Both(forward, inner_forward), Both(recompute, inner_recompute)
 
     return composed

@@ -47,10 +47,10 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointError
 
-from ..mechanisms._selective import internal
 from . import _light, _torch_private
 from ._autocast import autocast_as, autocast_state, device_type
 from ._options import RegionOptions
+from ._own_ops import internal
 from ._sampling import Site
 
 __all__ = ["run", "usable"]

@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from ..mechanisms import _guard
 from . import _eager_checkpoint, _mechanisms, _torch_private
 from ._contexts import ContextFn, compose
 from ._early_stop import full_recompute
@@ -265,9 +264,6 @@ def region_context_fn(
     else:
         recompute = _EnterFrame(RECOMPUTE, tape, scope, owner, True)  # rewind: yes
     forward.partner = recompute
-    if isinstance(owner, torch.nn.Module):
-        # The owner's forward runs inside the region without __call__: guard it here.
-        fn = _guard.guarded_call(owner, fn)
     COUNTERS.regions += 1
 
     context_fn = options.caller_context_fn

@@ -4,8 +4,8 @@ region's frames enter.
 NOTE [ region mechanisms ]
 ==========================
 Everything a region does besides running its function is a *mechanism*: one
-private module implementing :class:`Mechanism`, listed once in
-:data:`MECHANISMS`. The engine (``_engine.py``) knows none of them by name:
+private module implementing :class:`Mechanism`, registered once, in order,
+by ``mechanisms/__init__.py`` into :data:`MECHANISMS`. The engine (``_engine.py``) knows none of them by name:
 
 * ``start_region(tape, call)`` runs once, when the region starts, puts the
   mechanism's state on the tape (a field of :class:`Tape` the mechanism owns:
@@ -37,7 +37,7 @@ mechanism         tape                        frame
 ``_hooks``        user hooks that changed     first forward: recorded; recomputes
                   tensors                     run only those (NOTE [ hooks in
                                               recomputes ])
-``_guard``        module states, per call     module calls guarded
+``_guard``        module states, first calls  recomputes: copies swapped in
 ``_selective``    kept op outputs             recorded, or served
 ``_report``       a memory_report row         saved tensors counted, time taken
 ``_verify``       fingerprints (bitwise)      first forward: fingerprints taken
@@ -49,19 +49,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..mechanisms import (
-    _generators,
-    _guard,
-    _hooks,
-    _inputs,
-    _report,
-    _rng,
-    _selective,
-    _strict,
-    _verify,
-    _world,
-    _written,
-)
 from ._state import FORWARD, RECOMPUTE, Frame, Phase, RegionCall, Tape
 
 __all__ = ["MECHANISMS", "Mechanism", "Undo", "frame_plan", "register_mechanism", "starts"]
@@ -82,34 +69,15 @@ class Mechanism(Protocol):
         """A frame of the region is entered: start, and return what undoes it, if anything."""
 
 
-def _registered(*mechanisms: Mechanism) -> tuple[Mechanism, ...]:
-    return mechanisms  # each module is checked against the protocol here (mypy)
-
-
-# Started and entered in this order, undone in reverse. The report starts last: a
-# mechanism refusing the region at its start (a save= policy that cannot apply)
-# leaves no row. _written before _guard: a recompute's guard puts back the buffers it
-# found at a call, which may be _written's copies, before _written puts back the real
-# ones. A new mechanism: a module and a name here (or, for an integration, a
-# register_mechanism call in its package).
-MECHANISMS = _registered(
-    _strict,
-    _inputs,
-    _world,
-    _rng,
-    _generators,
-    _written,
-    _hooks,
-    _guard,
-    _selective,
-    _report,
-    _verify,
-)
+# Started and entered in this order, undone in reverse: registered by the mechanisms
+# package (``mechanisms/__init__.py``, which says the order and why), then by
+# integrations. The core imports no mechanism.
+MECHANISMS: tuple[Mechanism, ...] = ()
 
 
 def register_mechanism(mechanism: Mechanism, *, first: bool = False) -> None:
-    """Add a mechanism from outside the engine (integrations); once. ``first``: it starts
-    before the others, so that a check raising there leaves no state behind."""
+    """Add a mechanism, once, after the others or ``first`` (an integration's check that
+    may raise, so that it leaves no state behind)."""
     global MECHANISMS
     if mechanism not in MECHANISMS:
         MECHANISMS = (mechanism, *MECHANISMS) if first else (*MECHANISMS, mechanism)

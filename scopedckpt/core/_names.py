@@ -29,6 +29,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from torch import nn
+
 if TYPE_CHECKING:
     from ._state import Frame, RegionCall, Scope
 
@@ -36,6 +38,7 @@ __all__ = [
     "article",
     "describe",
     "frame_region_name",
+    "layer_of",
     "layer_place",
     "module_path",
     "module_region",
@@ -83,13 +86,11 @@ def region_name_of(owner: object | None, label: object, scope: Scope | None) -> 
     'blocks.1' (Block)``, ``'blocks.1' (Block)`` for a module called as a function,
     ``Block.attend of 'blocks.1' (Block)`` for a bound method, or a function's name and
     how to get a path."""
-    from torch import nn
-
     if owner is not None:
         return f"the forward of {module_path(owner, None, scope)}"
     if isinstance(label, nn.Module):
         return module_path(label, None, scope)
-    module = _layer_of(label)
+    module = layer_of(label)
     if module is not None:
         function = label.func if isinstance(label, functools.partial) else label
         return f"{describe(function)} of {module_path(module, None, scope)}"
@@ -124,8 +125,6 @@ def module_path(module: object, frame: Frame | None, scope: Scope | None = None)
 
 def layer_place(module: object, frame: Frame) -> str | None:
     """Where a layer a frame runs is, for ``Frame.name``: ``'blocks.1.drop'``, or None."""
-    from torch import nn
-
     found = _place(module, frame, None) if isinstance(module, nn.Module) else None
     return None if found is None else found[0]
 
@@ -134,12 +133,9 @@ def _place(module: object, frame: Frame | None, scope: Scope | None) -> tuple[st
     """``module``'s path and what it is relative to, without its class, and whether that is
     known to the scope (not only to its region's module, which has no path); None if
     unknown."""
-    from torch import nn
-
     scope = frame.scope if frame is not None else scope
     if scope is not None:
-        models = _models(scope)
-        for model, where, itself in models:
+        for model, where, itself in _models(scope):
             if model is module:
                 if itself:
                     return itself, True
@@ -158,8 +154,6 @@ def _place(module: object, frame: Frame | None, scope: Scope | None) -> tuple[st
 def _models(scope: Scope) -> list[tuple[Any, str, str]]:
     """The models paths are relative to (NOTE [ naming ]), each with what follows a path
     in it and the name of the model itself ("" for none)."""
-    from torch import nn
-
     given: dict[int, Any] = {}
     for target in (*scope.containers, *scope.keep):
         given.setdefault(id(target), target)
@@ -180,11 +174,9 @@ def _models(scope: Scope) -> list[tuple[Any, str, str]]:
     return models
 
 
-def _layer_of(function: object) -> Any:
-    """The layer of a bound method, or of ``partial(forward, layer, ...)``, else None: as
-    ``_engine.layer_of`` finds it (that module imports this one)."""
-    from torch import nn
-
+def layer_of(function: object) -> nn.Module | None:
+    """The layer of a bound method, or of ``partial(forward, layer, ...)`` (how Hugging Face
+    hands its layers to a checkpoint function), else None."""
     if isinstance(function, functools.partial):
         first = function.args[0] if function.args else None
         return first if isinstance(first, nn.Module) else None

@@ -47,7 +47,6 @@ import contextvars
 import functools
 import threading
 from collections.abc import Callable, Generator
-from types import TracebackType
 from typing import Any, TypeVar
 
 import torch
@@ -55,8 +54,9 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from . import _torch_private
 from ._checkpoint import fn_name, reentrant_message
-from ._engine import OWN_CALL, layer_of, region_context_fn, region_module
+from ._engine import OWN_CALL, region_context_fn, region_module
 from ._errors import ScopedCkptError
+from ._names import layer_of
 from ._options import RegionOptions
 from ._sampling import sampled_check
 from ._scope import decorate
@@ -104,15 +104,14 @@ def _generator_body(
         return (
             yield from _torch_private.call_generator(torch_generator, fn, args, kwargs, options)
         )
-    if options["determinism_check"] == "default" and scope.determinism_check != "default":
-        options = dict(options, determinism_check=scope.determinism_check)
+    check = options["determinism_check"]
+    if check == "default":
+        check = scope.determinism_check
     debug_on = _torch_private.checkpoint_debug_enabled(options["debug"])
     module = region_module(None, fn)
     site = None
     if not debug_on:  # NOTE [ sampled verification ] in _sampling.py
-        check, site = sampled_check(options["determinism_check"], module, fn)
-        if check is not options["determinism_check"]:
-            options = dict(options, determinism_check=check)
+        check, site = sampled_check(check, module, fn)
     fn, contexts = region_context_fn(
         fn,
         None,
@@ -122,7 +121,7 @@ def _generator_body(
         kwargs,
         RegionOptions(
             preserve_rng_state=options["preserve_rng_state"],
-            determinism_check=options["determinism_check"],
+            determinism_check=check,
             context_fn=options["context_fn"],
         ),
         module,
@@ -130,6 +129,7 @@ def _generator_body(
     )
     options = dict(
         options,
+        determinism_check=check,
         preserve_rng_state=False,  # the region stashes the generators itself (NOTE [ RNG replay ])
         context_fn=_torch_private.NOOP_CONTEXT_FN if debug_on else contexts,
     )
@@ -181,12 +181,14 @@ def _front(
     return _ORIGINALS[PATH.front](function, args, kwargs, use_reentrant=use_reentrant, **options)
 
 
+@functools.wraps(torch_checkpoint.checkpoint)
 def _checkpoint(function: Any = None, *args: Any, **kwargs: Any) -> Any:
     """torch <= 2.13's ``checkpoint``, non-reentrant by default when patched."""
     kwargs["use_reentrant"] = _unset_means_false(kwargs.get("use_reentrant"))
     return _ORIGINALS["checkpoint"](function, *args, **kwargs)
 
 
+@functools.wraps(torch_checkpoint.checkpoint_sequential)
 def _checkpoint_sequential(
     functions: Any, segments: int, input: Any, use_reentrant: bool | None = None, **kwargs: Any
 ) -> Any:
@@ -210,14 +212,12 @@ def _replacements() -> dict[str, Any]:
     replacements: dict[str, Any] = {
         PATH.generator: _torch_private.generator_like(_generator_body),
         PATH.reentrant: _ReentrantRefused,
-        "checkpoint_sequential": functools.wraps(torch_checkpoint.checkpoint_sequential)(
-            _checkpoint_sequential
-        ),
+        "checkpoint_sequential": _checkpoint_sequential,
     }
     if PATH.split:
         replacements[PATH.front] = _front
     else:
-        replacements["checkpoint"] = functools.wraps(torch_checkpoint.checkpoint)(_checkpoint)
+        replacements["checkpoint"] = _checkpoint
     return replacements
 
 
@@ -239,20 +239,13 @@ def _reached(call: Callable[[], Any]) -> set[str]:
 
 def _prove_live(torch_checkpoint_fn: Callable[..., Any]) -> None:
     """Raise unless torch's ``checkpoint`` as bound before the patch reaches every replacement."""
+    probe = functools.partial(torch_checkpoint_fn, _probe_fn)
     calls: list[tuple[str, Callable[[], Any], str]] = [
-        (
-            "use_reentrant=False",
-            lambda: torch_checkpoint_fn(_probe_fn, use_reentrant=False),
-            "generator",
-        ),
-        (
-            "use_reentrant=True",
-            lambda: torch_checkpoint_fn(_probe_fn, use_reentrant=True),
-            "reentrant",
-        ),
+        ("use_reentrant=False", functools.partial(probe, use_reentrant=False), "generator"),
+        ("use_reentrant=True", functools.partial(probe, use_reentrant=True), "reentrant"),
     ]
     if PATH.split:
-        calls.append(("use_reentrant unset", lambda: torch_checkpoint_fn(_probe_fn), "front"))
+        calls.append(("use_reentrant unset", probe, "front"))
     if PATH.decorator_form:
         decorated = lambda: torch_checkpoint_fn(use_reentrant=False)(_probe_fn)()  # noqa: E731
         calls.append(("checkpoint(use_reentrant=False)(fn)", decorated, "generator"))
@@ -340,12 +333,7 @@ class patch_torch_checkpoint:  # noqa: N801 - reads like the docs: ``with patch_
         self._tokens.append(_PATCHED.set(True))
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         try:
             _PATCHED.reset(self._tokens.pop())
         finally:

@@ -47,13 +47,8 @@ _compiling = torch.compiler.is_dynamo_compiling
 
 
 class CompiledView(threading.local):
-    """What compiled code reads instead of the context variables: this thread's view
-    of them.
-
-    Dynamo cannot read a ``ContextVar`` without a graph break, but it reads a
-    ``threading.local``'s attributes and guards on them per thread (one graph
-    per value). See NOTE [ torch.compile ] in ``_compiled.py``.
-    """
+    """What compiled code reads instead of the context variables (which dynamo cannot read
+    without a graph break): this thread's view of them (NOTE [ torch.compile ])."""
 
     def __init__(self) -> None:
         # Set per thread, on its first access. Instance attributes, not class
@@ -130,8 +125,7 @@ def enter_block(delta: int, save: Any, planned: bool = False) -> Any:
     MIRROR.enabled_blocks += delta
     MIRROR.regions = MIRROR.enabled_blocks > 0
     previous = delta, MIRROR.save, MIRROR.planned
-    MIRROR.save = save
-    MIRROR.planned = planned
+    MIRROR.save, MIRROR.planned = save, planned
     return previous
 
 
@@ -159,17 +153,11 @@ def exit_traced_block(previous: tuple[bool, Any]) -> None:
 
 def frame_entered() -> None:
     """An eager region frame starts in this thread (the buffer guard's ``begin``)."""
-    mirror = MIRROR
-    frames = mirror.frames
-    mirror.frames = frames + 1
-    if not frames:
-        mirror.eager = True
+    MIRROR.frames += 1
+    MIRROR.eager = True
 
 
 def frame_left() -> None:
     """An eager region frame ends in this thread."""
-    mirror = MIRROR
-    frames = mirror.frames - 1
-    mirror.frames = frames
-    if not frames:
-        mirror.eager = False
+    MIRROR.frames -= 1
+    MIRROR.eager = MIRROR.frames > 0

@@ -154,9 +154,7 @@ class SavePolicy:
     def selects_module(self, module: nn.Module, matched: frozenset[int]) -> bool:
         """Whether every op of this module's forward is selected."""
         return (
-            id(module) in self.modules
-            or id(module) in matched
-            or (bool(self.classes) and isinstance(module, self.classes))
+            id(module) in self.modules or id(module) in matched or isinstance(module, self.classes)
         )
 
 

@@ -51,8 +51,6 @@ __all__ = [
 ]
 
 _SITES_MAX = 4096
-
-
 _MASK = (1 << 64) - 1
 
 
@@ -208,6 +206,5 @@ def unverified_calls_before(owner: object | None, fn: object) -> bool:
     calls that sampling left unverified."""
     if _Sampling.every == 1:
         return False
-    key, alive = site_of(owner, fn)
-    entry = _Sampling.sites.get(key)
-    return entry is not None and entry.alive() is alive and entry.calls > 1
+    found = known_site(owner, fn)
+    return found is not None and found.calls > 1

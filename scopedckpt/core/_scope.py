@@ -6,7 +6,6 @@ import contextvars
 import functools
 import inspect
 from collections.abc import Callable, Sequence
-from types import TracebackType
 from typing import Any, TypeVar
 
 import torch
@@ -49,6 +48,8 @@ def said_regions(target: object) -> tuple[nn.Module | None, Regions] | None:
 
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+# What a block entered where no other is active inherits: nothing (a disabled parent).
+_OUTSIDE = Scope(enabled=False, strict=False)
 
 
 class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing():``
@@ -182,14 +183,12 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         self._targets = targets
         self._enabled = enabled
         self._strict = strict
-        self._root = root
         self._save_items = save
         self._save: SavePolicy | None = as_policy(save)
         self._modules, self._classes, self._saves = resolve_targets(targets, root)
         self._containers = tuple(t for t in targets if isinstance(t, _CONTAINERS))
-        if root is None:
-            models = (said[0] for t in targets if (said := said_regions(t)) is not None)
-            self._root = next(models, None)
+        models = (said[0] for t in targets if (said := said_regions(t)) is not None)
+        self._root = root if root is not None else next(models, None)
         self._entries: list[tuple[contextvars.Token[Scope | None], _targets.Patches, Any]] = []
         self._traced: list[tuple[tuple[bool, Any], list[tuple[nn.Module, Any]]]] = []
 
@@ -215,43 +214,25 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
                 )
             self._traced.append(_targets.enter_traced(self._modules, self._enabled, self._save))
             return self
-        parent = SCOPE.get()
-        strict = self._strict
-        if strict is None:
-            strict = parent.strict if parent is not None else False
+        parent = SCOPE.get() or _OUTSIDE
         modules = tuple(self._modules)
-        classes = self._classes
-        keep: tuple[Any, ...] = modules
-        saves = self._saves
-        containers = self._containers
-        if parent is not None and parent.containers:
-            containers = parent.containers + containers
-        if parent is not None and parent.saves:
-            saves = {**parent.saves, **saves}
-        if parent is not None:
-            modules_ids = parent.modules | {id(m) for m in modules}
-            classes = parent.classes + tuple(c for c in classes if c not in parent.classes)
-            keep = parent.keep + modules
-        else:
-            modules_ids = frozenset(id(m) for m in modules)
+        saves = {**parent.saves, **self._saves} if parent.saves else self._saves
         patches = _targets.install(modules, self._classes)
-        inherited = parent.patches if parent is not None else ()
         scope = Scope(
             self._enabled,
-            strict,
-            frozenset(modules_ids),
-            classes,
-            keep,
-            inherited + ((patches,) if patches.holders else ()),
-            self._root if self._root is not None else (parent.root if parent else None),
-            self._save if self._save is not None else (parent.save if parent else None),
-            self._determinism_check
-            or (parent.determinism_check if parent is not None else "default"),
+            parent.strict if self._strict is None else self._strict,
+            parent.modules | {id(m) for m in modules},
+            parent.classes + tuple(c for c in self._classes if c not in parent.classes),
+            parent.keep + modules,
+            parent.patches + ((patches,) if patches.holders else ()),
+            self._root if self._root is not None else parent.root,
+            self._save if self._save is not None else parent.save,
+            self._determinism_check or parent.determinism_check,
             saves,
-            containers,
-            (parent.generators if parent is not None else ()) + self._generators,
+            parent.containers + self._containers,
+            parent.generators + self._generators,
         )
-        delta = int(self._enabled) - int(parent is not None and parent.enabled)
+        delta = int(self._enabled) - int(parent.enabled)
         token = SCOPE.set(scope)
         planned = bool(saves) and (
             scope.save is not None or any(p is not None for p in saves.values())
@@ -259,12 +240,7 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         self._entries.append((token, patches, enter_block(delta, scope.save, planned)))
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         if where() is not EAGER:
             _targets.exit_traced(*self._traced.pop())
             return
@@ -326,8 +302,7 @@ def resolve_targets(
                 modules.append(module)
                 saves[id(module)] = None if items is None else as_policy(items)
         elif isinstance(target, _CONTAINERS):
-            children = target.values() if isinstance(target, nn.ModuleDict) else target
-            modules.extend(children)
+            modules.extend(target.values() if isinstance(target, nn.ModuleDict) else target)
         elif isinstance(target, nn.Module):
             modules.append(target)
         elif isinstance(target, type):
@@ -352,5 +327,4 @@ def resolve_targets(
                 "expected an nn.Module, an nn.Module subclass or a (name, module) -> bool "
                 "predicate. To turn checkpointing off, pass enabled=False."
             )
-    unique = list({id(m): m for m in modules}.values())
-    return unique, tuple(dict.fromkeys(classes)), saves
+    return list({id(m): m for m in modules}.values()), tuple(dict.fromkeys(classes)), saves

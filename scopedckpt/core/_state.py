@@ -51,19 +51,9 @@ from ._names import region_name as region_name
 from ._names import region_name_of as region_name_of
 from ._torch_private import version_of
 
-if TYPE_CHECKING:  # the mechanisms' own types; they import this module
+if TYPE_CHECKING:
     from torch import nn
-    from torch.utils.hooks import RemovableHandle
 
-    from ..mechanisms._generators import Generators
-    from ..mechanisms._hooks import Hooks
-    from ..mechanisms._module_state import GuardEntry, ModuleState
-    from ..mechanisms._report import RegionStats
-    from ..mechanisms._rng import RngStash
-    from ..mechanisms._selective import Saved, SavingMode
-    from ..mechanisms._verify import Verifying
-    from ..mechanisms._world import World
-    from ..mechanisms._written import Copies, Noted
     from ._policy import SavePolicy
     from ._sampling import Site
     from ._subtree import Listing
@@ -198,21 +188,21 @@ class Tape:
     """
 
     records: list[Record] = field(default_factory=list)
-    rng: RngStash | None = None  # _rng: None when the region does not replay the RNG
-    generators: Generators | None = None  # _generators: explicit generators, their states
-    states: dict[tuple[int, int], ModuleState] = field(default_factory=dict)  # _guard
+    rng: Any = None  # _rng's RngStash: None when the region does not replay the RNG
+    generators: Any = None  # _generators' Generators: explicit ones, their states
+    states: dict[int, Any] = field(default_factory=dict)  # _guard's ModuleStates, by module id
     # _guard: each module the first forward called, by id, with its mode then.
     modes: dict[int, tuple[Any, bool]] = field(default_factory=dict)
-    stats: RegionStats | None = None  # _report: while a memory_report() block measures it
-    saved: Saved | None = None  # _selective: when the region has a save= policy
-    verifying: Verifying | None = None  # _verify: a region with determinism_check="bitwise"
+    stats: Any = None  # _report's RegionStats, while a memory_report() block measures it
+    saved: Any = None  # _selective's Saved, when the region has a save= policy
+    verifying: Any = None  # _verify's Verifying: a region with determinism_check="bitwise"
     # _inputs: the region's call (its tensor inputs' versions), until its forward ends.
     inputs: RegionCall | None = None
     # _written: the subtree's versions and copies until the first forward ends, then the
     # copies of what it wrote, or the listing whose learning its recompute ends, or None.
-    written: Noted | Copies | Listing | None = None
-    world: World | None = None  # _world: the region's recorded world
-    hooks: Hooks | None = None  # _hooks: the user hooks of its subtree
+    written: Any = None
+    world: Any = None  # _world's World: the region's recorded world
+    hooks: Any = None  # _hooks' Hooks: the user hooks of its subtree
     # The enter_frame of each mechanism acting in this region's frames, in order, by phase.
     forward_mechanisms: tuple[Callable[[Frame], Callable[..., Any] | None], ...] = ()
     recompute_mechanisms: tuple[Callable[[Frame], Callable[..., Any] | None], ...] = ()
@@ -250,12 +240,11 @@ class Frame:
     rewind: bool = False
     cursor: int = 0
     calls: dict[int, int] = field(default_factory=dict)  # guarded module id -> calls so far
-    guards: list[GuardEntry] = field(default_factory=list)  # _guard: modules running now
-    selective: SavingMode | None = None  # _selective: tracks module calls (module policies)
+    guards: list[Any] = field(default_factory=list)  # _guard's GuardEntries: swapped, checked
+    selective: Any = None  # _selective's SavingMode: tracks module calls (module policies)
     modules: list[tuple[int, int]] = field(default_factory=list)  # (id, call index) running now
-    hooks: list[RemovableHandle] | None = None  # _guard: a recompute's own; None: global ones
-    # _guard: a recompute's own post hooks where global pre-hooks guard its calls.
-    exits: list[RemovableHandle] | None = None
+    # _guard: a recompute that installed no global hooks, whose calls other frames' leave
+    unhooked: bool = False
 
     def __init__(
         self,
@@ -275,8 +264,7 @@ class Frame:
         self.guards = []
         self.selective = None
         self.modules = []
-        self.hooks = None
-        self.exits = None
+        self.unhooked = False
 
     def take(self, kind: str, owner_id: int | None, label: object) -> Record:
         """Return the next record in ``RECOMPUTE``, checking it belongs to the owner."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,6 @@ from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 from torch.nn.parameter import is_lazy
 
-from ..mechanisms._module_state import guarded
 from ._torch_private import module_buffers, module_hooks, module_parameters
 
 __all__ = [
@@ -32,9 +31,57 @@ __all__ = [
     "attribute_places",
     "current_parameters",
     "generators_in",
+    "guarded",
     "may_write_parameters",
+    "self_guarded",
     "subtree",
 ]
+
+
+# The forwards that keep their modules' buffers themselves (scoped batch norm).
+_SELF_GUARDED: set[Callable[..., Any]] = set()
+# _class_kind's answers by id(class), each beside a weak reference to its class whose
+# callback removes the entry when the class goes: classes made at run time can go,
+# and an id is never reused while its entry is here. (A WeakKeyDictionary makes a
+# weak reference at every lookup, and the guard looks up every module call.)
+_CLASSES: dict[int, tuple[bool | None, weakref.ref[type]]] = {}
+
+
+def self_guarded(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a forward that keeps its module's buffers itself (scoped batch norm): the
+    buffer guard leaves its calls alone, and ``_written`` its buffers."""
+    _SELF_GUARDED.add(forward)
+    _CLASSES.clear()
+    return forward
+
+
+def _class_kind(cls: type) -> bool | None:
+    """Per class: None if its forward guards itself, else whether it is ``Stateful``.
+
+    Cached, since the buffer guard's global hook asks at every module call of a first
+    forward. Whether an instance has buffers is asked of the instance each time: buffers
+    come and go (a module may register one after construction).
+    """
+    entry = _CLASSES.get(id(cls))
+    if entry is not None:
+        return entry[0]
+    forward = getattr(cls, "forward", None)
+    kind = None if forward in _SELF_GUARDED else callable(getattr(cls, "scopedckpt_restore", None))
+    _CLASSES[id(cls)] = (kind, weakref.ref(cls, functools.partial(_forget_class, id(cls))))
+    return kind
+
+
+def _forget_class(key: int, _: object) -> None:
+    _CLASSES.pop(key, None)
+
+
+def guarded(module: nn.Module) -> bool:
+    """Whether the buffer guard guards calls of ``module`` (NOTE [ buffer guard ]): it has
+    buffers or is Stateful, and its forward does not guard itself."""
+    entry = _CLASSES.get(id(type(module)))
+    kind = entry[0] if entry is not None else _class_kind(type(module))
+    return kind is not None and (kind or bool(module_buffers(module)))
+
 
 # Layers whose ops hand autograd a tensor before writing it (NOTE [ late writes ] in
 # _early_stop.py).

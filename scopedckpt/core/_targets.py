@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -44,9 +44,11 @@ class _Patch:
 _PATCHES: dict[int, _Patch] = {}
 
 
-def _regioned(  # eager only: compiled code takes compiled_region instead
+def _regioned(
     forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
+    if where() is not EAGER:  # NOTE [ torch.compile ] in _compiled.py
+        return run_region(forward, module, args, kwargs)
     scope = SCOPE.get()
     # current_region_owner() is module: we are already inside this module's
     # region (e.g. a subclass forward calling super().forward): stay plain.
@@ -63,9 +65,7 @@ def _instance_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
     )
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if where() is EAGER:
-            return _regioned(inner, module, args, kwargs)
-        return run_region(inner, module, args, kwargs)  # NOTE [ torch.compile ] in _compiled.py
+        return _regioned(inner, module, args, kwargs)
 
     forward.__scopedckpt_patch__ = True  # type: ignore[attr-defined]
     return forward
@@ -74,9 +74,7 @@ def _instance_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
 def _class_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if where() is EAGER:
-            return _regioned(original.__get__(self), self, args, kwargs)
-        return run_region(original.__get__(self), self, args, kwargs)  # NOTE [ torch.compile ]
+        return _regioned(original.__get__(self), self, args, kwargs)
 
     forward.__scopedckpt_patch__ = True  # type: ignore[attr-defined]
     return forward
@@ -111,7 +109,7 @@ class Patches:
     same however many modules the scope patched.
     """
 
-    holders: list[Any] = field(default_factory=list)
+    holders: list[Any]
     holds: int = 1
 
     def release_all(self) -> None:
@@ -153,7 +151,6 @@ class Patches:
 
 def install(modules: tuple[nn.Module, ...], classes: tuple[type, ...]) -> Patches:
     """Patch the forwards of ``modules`` and ``classes`` (reference-counted)."""
-    patches = Patches()
     holders: list[Any] = list(modules)
     for cls in classes:
         holders.extend(_classes_to_patch(cls))
@@ -162,17 +159,14 @@ def install(modules: tuple[nn.Module, ...], classes: tuple[type, ...]) -> Patche
             existing = _PATCHES.get(id(holder))
             if existing is not None:
                 existing.count += 1
-                patches.holders.append(holder)
                 continue
+            previous = vars(holder).get("forward", _MISSING)
             if isinstance(holder, type):
-                previous = vars(holder).get("forward", _MISSING)
                 holder.forward = _class_forward(holder.forward)  # type: ignore[attr-defined]
             else:
-                previous = holder.__dict__.get("forward", _MISSING)
                 holder.__dict__["forward"] = _instance_forward(holder, previous)
             _PATCHES[id(holder)] = _Patch(1, holder, previous)
-            patches.holders.append(holder)
-    return patches
+    return Patches(holders)
 
 
 def _traced_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:

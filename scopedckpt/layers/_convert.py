@@ -38,18 +38,11 @@ _RANDOM_BY_NAME = {
     "StochasticDepth": "stochastic depth",
 }
 
-# Exact torch types only: a user's subclass may override forward, and
-# replacing it would silently drop that code (it is reported instead).
+# Each torch layer to the scoped layer of its name. Exact torch types only: a user's
+# subclass may override forward, and replacing it would silently drop that code (it is
+# reported instead).
 _SCOPED: dict[type[nn.Module], type[nn.Module]] = {
-    nn.Dropout: _layers.Dropout,
-    nn.Dropout1d: _layers.Dropout1d,
-    nn.Dropout2d: _layers.Dropout2d,
-    nn.Dropout3d: _layers.Dropout3d,
-    nn.AlphaDropout: _layers.AlphaDropout,
-    nn.FeatureAlphaDropout: _layers.FeatureAlphaDropout,
-    nn.BatchNorm1d: _layers.BatchNorm1d,
-    nn.BatchNorm2d: _layers.BatchNorm2d,
-    nn.BatchNorm3d: _layers.BatchNorm3d,
+    getattr(nn, name): getattr(_layers, name) for name in _layers.__all__
 }
 _SCOPED_TYPES = tuple(set(_SCOPED.values()))
 # Fused modules that read their children's buffers outside the children's calls (QAT's
@@ -178,18 +171,12 @@ def _unscoped_reason(module: nn.Module) -> str | None:
 
 
 def _convert(module: nn.Module, name: str, unscoped: list[str], keep: bool = False) -> nn.Module:
-    label = name or "<root>"
     result = module
-    if isinstance(module, _SCOPED_TYPES):
-        pass
-    elif keep and _unscoped_reason(module) is not None:
-        unscoped.append(f"{label} ({type(module).__qualname__}: read by its fused parent)")
-    elif type(module) in _SCOPED:
+    if type(module) in _SCOPED and not keep:
         result = _scoped_copy(module, _SCOPED[type(module)])
-    else:
-        reason = _unscoped_reason(module)
-        if reason is not None:
-            unscoped.append(f"{label} ({type(module).__qualname__}: {reason})")
+    elif not isinstance(module, _SCOPED_TYPES) and (reason := _unscoped_reason(module)) is not None:
+        reason = "read by its fused parent" if keep else reason
+        unscoped.append(f"{name or '<root>'} ({type(module).__qualname__}: {reason})")
     keep = type(result).__module__.startswith(_READS_CHILDREN)
     for child_name, child in list(result.named_children()):
         qualified = f"{name}.{child_name}" if name else child_name

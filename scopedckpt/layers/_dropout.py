@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,38 +39,30 @@ from torch import Tensor
 
 from ..core._errors import ScopedCkptError
 from ..core._names import frame_region_name
+from ..core._own_ops import internal
 from ..core._paths import EAGER, GRAPH, where
 from ..core._replay import tape_value
 from ..core._state import FRAME, RECOMPUTE
 from ..core._torch_private import functorch_level
 from ..mechanisms import _generators, _rng
-from ..mechanisms._selective import internal
 from ..mechanisms._strict import scoped_draws
 from ._mask import Mask, masked_dropout
 
-__all__ = [
-    "Impl",
-    "check_p",
-    "impl_alpha_dropout",
-    "impl_dropout",
-    "impl_dropout1d",
-    "impl_dropout2d",
-    "impl_dropout3d",
-    "impl_feature_alpha_dropout",
-]
+__all__ = ["check_p", "scoped_dropout"]
 
 _SEED_HIGH = 2**62
 
 
-def check_p(p: Any, where: str) -> float:
+def check_p(p: Any, name: str) -> float:
+    """``p`` as a float, if it is a probability; ``name`` (the caller) is for the error."""
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise TypeError(
-            f"scopedckpt: {where} expected p to be a float probability, got "
+            f"scopedckpt: {name} expected p to be a float probability, got "
             f"{type(p).__name__}. Pass e.g. p=0.1."
         )
     if not 0.0 <= float(p) <= 1.0 or math.isnan(float(p)):
         raise ValueError(
-            f"scopedckpt: {where} expected p between 0 and 1 (the probability of "
+            f"scopedckpt: {name} expected p between 0 and 1 (the probability of "
             f"zeroing an element), got p={p}. Pass e.g. p=0.1."
         )
     return float(p)
@@ -90,13 +81,11 @@ def _redraw(seed: int, owner: object, generator: torch.Generator | None) -> None
     if frame is None:
         return
     if generator is None:
-        if not _rng.replays(frame.tape):
-            return
-        source = "torch's default generator"
+        replays, source = _rng.replays(frame.tape), "torch's default generator"
     else:
-        if not _generators.replays(frame.tape, generator):
-            return
-        source = "its generator"
+        replays, source = _generators.replays(frame.tape, generator), "its generator"
+    if not replays:
+        return
     again = _draw_seed(generator)
     if again != seed:
         raise ScopedCkptError(
@@ -118,50 +107,82 @@ _TORCH_OPS = {
 }
 
 
-def _dropout(
+def scoped_dropout(
+    function: str,
     input: Tensor,
     p: float,
     training: bool,
     inplace: bool,
     generator: torch.Generator | None,
     save_mask: bool,
-    *,
-    feature: bool,
-    alpha: bool,
     owner: object,
 ) -> Tensor:
-    """The one dropout implementation behind every scoped function and layer."""
+    """The one dropout implementation behind every scoped function and layer.
+
+    ``function`` is the name of torch's functional counterpart (``"dropout2d"``): it
+    says what is zeroed and how the input's rank is checked. ``p`` is already checked
+    (:func:`check_p`); ``owner``, the layer or the public function, keys the tape.
+    """
+    alpha = "alpha" in function
+    feature = function not in ("dropout", "alpha_dropout")
+    batched = _batched(function, input)
+    if not batched:
+        input = input.unsqueeze_(0) if inplace else input.unsqueeze(0)
     if feature and input.dim() < 2:
         raise RuntimeError(
             f"scopedckpt: channel-wise dropout needs input with at least 2 dimensions "
             f"(N, C, ...), but got shape {tuple(input.shape)}. Use dropout or alpha_dropout "
             "for element-wise dropout."
         )
-    seeded = _seeded_dropout
     here = where()
-    if here is EAGER and generator is None and functorch_level() is not None:
-        # Under vmap or grad a seed cannot be read out of a batched draw, and regions run
-        # plainly there (NOTE [ torch.func transforms ]): torch's own op, as torch's layer.
+    if generator is None and (here is GRAPH or (here is EAGER and functorch_level() is not None)):
+        # Compiled: Inductor's generator, replayed by torch's checkpoint operator (NOTE
+        # [ torch.compile ] in _compiled.py). Under vmap or grad a seed cannot be read out
+        # of a batched draw, and regions run plainly there (NOTE [ torch.func transforms ]).
+        # Either way torch's own op, as torch's layer.
         out_of_place, in_place = _TORCH_OPS[feature, alpha]
-        return (in_place if inplace else out_of_place)(input, p, training)
-    if here is not EAGER:
-        if here is GRAPH and generator is None:
-            # Inductor's generator, replayed by torch's checkpoint operator
-            # (NOTE [ torch.compile ] in _compiled.py).
-            out_of_place, in_place = _TORCH_OPS[feature, alpha]
-            return (in_place if inplace else out_of_place)(input, p, training)
-        seeded = _seeded_dropout_outside_dynamo
-    return seeded(
-        input,
-        p,
-        training,
-        inplace,
-        generator,
-        save_mask,
-        feature=feature,
-        alpha=alpha,
-        owner=owner,
-    )
+        out = (in_place if inplace else out_of_place)(input, p, training)
+    else:
+        seeded = _seeded_dropout if here is EAGER else _seeded_dropout_outside_dynamo
+        out = seeded(input, p, training, inplace, generator, save_mask, feature, alpha, owner)
+    if not batched:
+        out = out.squeeze_(0) if inplace else out.squeeze(0)
+    return out
+
+
+def _batched(function: str, input: Tensor) -> bool:
+    """Whether ``input`` has its batch dimension, its rank checked as torch's ``function``
+    checks it, with torch's error and warnings (only dropout1d/2d/3d may lack it)."""
+    if function not in ("dropout1d", "dropout2d", "dropout3d"):
+        return True
+    spatial = int(function[-2])
+    if input.dim() not in (spatial + 1, spatial + 2):
+        if spatial == 1:
+            raise RuntimeError(
+                f"scopedckpt: dropout1d expected 2D (C, L) or 3D (N, C, L) input, but got a "
+                f"{input.dim()}D input. Use dropout for element-wise dropout."
+            )
+        warnings.warn(
+            f"{function}: Received a {input.dim()}-D input to {function}, which is deprecated "
+            f"and will result in an error in a future release. To retain the behavior "
+            f"and silence this warning, please use dropout instead. Note that {function} "
+            f"exists to provide channel-wise dropout on inputs with {spatial} spatial "
+            f"dimensions, a channel dimension, and an optional batch dimension "
+            f"(i.e. {spatial + 1}D or {spatial + 2}D inputs).",
+            stacklevel=3,  # the public function or the layer's forward
+        )
+    if spatial != 2:
+        return input.dim() == spatial + 2
+    if input.dim() == 3:  # taken as batched (N, C, L), as torch does
+        warnings.warn(
+            "dropout2d: Received a 3D input to dropout2d and assuming that channel-wise "
+            "1D dropout behavior is desired - input is interpreted as shape (N, C, L), where C "
+            "is the channel dim. This behavior will change in a future release to interpret the "
+            "input as one without a batch dimension, i.e. shape (C, H, W). To maintain the 1D "
+            "channel-wise dropout behavior, please switch to using dropout1d instead.",
+            stacklevel=4,  # the public function's caller, or torch's Module._call_impl
+        )
+    return True
 
 
 def _seeded_dropout(
@@ -171,7 +192,6 @@ def _seeded_dropout(
     inplace: bool,
     generator: torch.Generator | None,
     save_mask: bool,
-    *,
     feature: bool,
     alpha: bool,
     owner: object,
@@ -223,150 +243,3 @@ _KEPT_NOISE_RATIO = 16
 
 # It reads the region's tape: compiled code calls it behind a graph break.
 _seeded_dropout_outside_dynamo = torch.compiler.disable(_seeded_dropout)
-
-
-def _feature(
-    input: Tensor,
-    p: float,
-    training: bool,
-    inplace: bool,
-    generator: torch.Generator | None,
-    save_mask: bool,
-    owner: object,
-    *,
-    batched: bool,
-    alpha: bool,
-) -> Tensor:
-    """Channel-wise dropout, adding a batch dimension for unbatched input."""
-    if not batched:
-        input = input.unsqueeze_(0) if inplace else input.unsqueeze(0)
-    out = _dropout(
-        input, p, training, inplace, generator, save_mask, feature=True, alpha=alpha, owner=owner
-    )
-    if not batched:
-        out = out.squeeze_(0) if inplace else out.squeeze(0)
-    return out
-
-
-# The implementations below take a validated ``p`` and the tape owner (the
-# layer, or the public function); the layers in ``_layers.py`` call them.
-Impl = Callable[[Tensor, float, bool, bool, "torch.Generator | None", bool, object], Tensor]
-
-
-def _elementwise(*, feature: bool, alpha: bool) -> Impl:
-    """The implementation of a dropout that needs no shape handling."""
-
-    def impl(
-        input: Tensor,
-        p: float,
-        training: bool,
-        inplace: bool,
-        generator: torch.Generator | None,
-        save_mask: bool,
-        owner: object,
-    ) -> Tensor:
-        return _dropout(
-            input,
-            p,
-            training,
-            inplace,
-            generator,
-            save_mask,
-            feature=feature,
-            alpha=alpha,
-            owner=owner,
-        )
-
-    return impl
-
-
-impl_dropout = _elementwise(feature=False, alpha=False)
-impl_alpha_dropout = _elementwise(feature=False, alpha=True)
-impl_feature_alpha_dropout = _elementwise(feature=True, alpha=True)
-
-
-def impl_dropout1d(
-    input: Tensor,
-    p: float,
-    training: bool,
-    inplace: bool,
-    generator: torch.Generator | None,
-    save_mask: bool,
-    owner: object,
-) -> Tensor:
-    if input.dim() not in (2, 3):
-        raise RuntimeError(
-            f"scopedckpt: dropout1d expected 2D (C, L) or 3D (N, C, L) input, but got a "
-            f"{input.dim()}D input. Use dropout for element-wise dropout."
-        )
-    return _feature(
-        input,
-        p,
-        training,
-        inplace,
-        generator,
-        save_mask,
-        owner,
-        batched=input.dim() == 3,
-        alpha=False,
-    )
-
-
-def impl_dropout2d(
-    input: Tensor,
-    p: float,
-    training: bool,
-    inplace: bool,
-    generator: torch.Generator | None,
-    save_mask: bool,
-    owner: object,
-) -> Tensor:
-    _warn_feature_dims(input, "dropout2d", (3, 4))
-    if input.dim() == 3:
-        warnings.warn(
-            "dropout2d: Received a 3D input to dropout2d and assuming that channel-wise "
-            "1D dropout behavior is desired - input is interpreted as shape (N, C, L), where C "
-            "is the channel dim. This behavior will change in a future release to interpret the "
-            "input as one without a batch dimension, i.e. shape (C, H, W). To maintain the 1D "
-            "channel-wise dropout behavior, please switch to using dropout1d instead.",
-            stacklevel=3,
-        )
-    return _feature(
-        input, p, training, inplace, generator, save_mask, owner, batched=True, alpha=False
-    )
-
-
-def impl_dropout3d(
-    input: Tensor,
-    p: float,
-    training: bool,
-    inplace: bool,
-    generator: torch.Generator | None,
-    save_mask: bool,
-    owner: object,
-) -> Tensor:
-    _warn_feature_dims(input, "dropout3d", (4, 5))
-    return _feature(
-        input,
-        p,
-        training,
-        inplace,
-        generator,
-        save_mask,
-        owner,
-        batched=input.dim() == 5,
-        alpha=False,
-    )
-
-
-def _warn_feature_dims(input: Tensor, name: str, dims: tuple[int, int]) -> None:
-    if input.dim() not in dims:
-        warnings.warn(
-            f"{name}: Received a {input.dim()}-D input to {name}, which is deprecated "
-            f"and will result in an error in a future release. To retain the behavior "
-            f"and silence this warning, please use dropout instead. Note that {name} "
-            f"exists to provide channel-wise dropout on inputs with {dims[0] - 1} spatial "
-            f"dimensions, a channel dimension, and an optional batch dimension "
-            f"(i.e. {dims[0]}D or {dims[1]}D inputs).",
-            stacklevel=3,
-        )

@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..core._own_ops import internal
 from ..core._paths import EAGER, GRAPH, where
 from ..core._replay import tape_value
 from ..core._state import RECOMPUTE
+from ..core._subtree import self_guarded
 from ..core._torch_private import BatchNormBase, DropoutBase, check_input_dim
-from ..mechanisms._module_state import self_guarded
-from ..mechanisms._selective import internal
 from ..mechanisms._verify import not_verified
 from . import _dropout
 
@@ -40,8 +40,7 @@ __all__ = [
 class _ScopedDropout(DropoutBase):
     """Shared constructor and forward of the scoped dropout layers."""
 
-    _impl: _dropout.Impl
-    _uses_inplace = True  # torch's alpha dropouts ignore ``inplace``; so do we
+    _kind: str  # the name of torch's functional counterpart, e.g. "dropout2d"
     generator: torch.Generator | None
     save_mask: bool
 
@@ -65,14 +64,9 @@ class _ScopedDropout(DropoutBase):
         self.save_mask = bool(save_mask)
 
     def forward(self, input: Tensor) -> Tensor:
-        return type(self)._impl(
-            input,
-            self.p,
-            self.training,
-            self.inplace and self._uses_inplace,
-            self.generator,
-            self.save_mask,
-            self,
+        inplace = self.inplace and "alpha" not in self._kind  # as torch's alpha dropouts
+        return _dropout.scoped_dropout(
+            self._kind, input, self.p, self.training, inplace, self.generator, self.save_mask, self
         )
 
 
@@ -110,90 +104,62 @@ _DROPOUT_DOC = """{summary}
     True
     >>> layer
     {name}(p=0.5, inplace=False)
-    >>> layer({example}).shape
-    {shape}
+    >>> layer(torch.ones({shape})).shape
+    torch.Size([{shape}])
 """
 
 
-def _dropout_doc(name: str, summary: str, unit: str, example: str, shape: str, alpha: bool) -> str:
-    note = " (ignored, as in torch)" if alpha else ""
+def _dropout_doc(name: str, summary: str, shape: str) -> str:
+    """The docstring of the scoped layer ``name``, with an Example on ``torch.ones(shape)``."""
     return _DROPOUT_DOC.format(
-        name=name, summary=summary, unit=unit, example=example, shape=shape, inplace_note=note
+        name=name,
+        summary=summary,
+        unit="an element" if name in ("Dropout", "AlphaDropout") else "a channel",
+        shape=shape,
+        inplace_note=" (ignored, as in torch)" if "Alpha" in name else "",
     )
 
 
 class Dropout(_ScopedDropout, nn.Dropout):
     __doc__ = _dropout_doc(
-        "Dropout",
-        "Zero elements with probability ``p``, scaling the rest by ``1/(1-p)``.",
-        "an element",
-        "torch.ones(2, 3)",
-        "torch.Size([2, 3])",
-        alpha=False,
+        "Dropout", "Zero elements with probability ``p``, scaling the rest by ``1/(1-p)``.", "2, 3"
     )
-    _impl = staticmethod(_dropout.impl_dropout)
+    _kind = "dropout"
 
 
 class Dropout1d(_ScopedDropout, nn.Dropout1d):
     __doc__ = _dropout_doc(
-        "Dropout1d",
-        "Zero whole channels of ``(N, C, L)`` or ``(C, L)`` input.",
-        "a channel",
-        "torch.ones(2, 3, 4)",
-        "torch.Size([2, 3, 4])",
-        alpha=False,
+        "Dropout1d", "Zero whole channels of ``(N, C, L)`` or ``(C, L)`` input.", "2, 3, 4"
     )
-    _impl = staticmethod(_dropout.impl_dropout1d)
+    _kind = "dropout1d"
 
 
 class Dropout2d(_ScopedDropout, nn.Dropout2d):
     __doc__ = _dropout_doc(
-        "Dropout2d",
-        "Zero whole channels of ``(N, C, H, W)`` input.",
-        "a channel",
-        "torch.ones(2, 3, 4, 4)",
-        "torch.Size([2, 3, 4, 4])",
-        alpha=False,
+        "Dropout2d", "Zero whole channels of ``(N, C, H, W)`` input.", "2, 3, 4, 4"
     )
-    _impl = staticmethod(_dropout.impl_dropout2d)
+    _kind = "dropout2d"
 
 
 class Dropout3d(_ScopedDropout, nn.Dropout3d):
     __doc__ = _dropout_doc(
         "Dropout3d",
         "Zero whole channels of ``(N, C, D, H, W)`` or ``(C, D, H, W)`` input.",
-        "a channel",
-        "torch.ones(2, 3, 2, 2, 2)",
-        "torch.Size([2, 3, 2, 2, 2])",
-        alpha=False,
+        "2, 3, 2, 2, 2",
     )
-    _impl = staticmethod(_dropout.impl_dropout3d)
+    _kind = "dropout3d"
 
 
 class AlphaDropout(_ScopedDropout, nn.AlphaDropout):
     __doc__ = _dropout_doc(
-        "AlphaDropout",
-        "Alpha dropout: keeps SELU's zero mean and unit variance.",
-        "an element",
-        "torch.ones(2, 3)",
-        "torch.Size([2, 3])",
-        alpha=True,
+        "AlphaDropout", "Alpha dropout: keeps SELU's zero mean and unit variance.", "2, 3"
     )
-    _impl = staticmethod(_dropout.impl_alpha_dropout)
-    _uses_inplace = False
+    _kind = "alpha_dropout"
 
 
 class FeatureAlphaDropout(_ScopedDropout, nn.FeatureAlphaDropout):
-    __doc__ = _dropout_doc(
-        "FeatureAlphaDropout",
-        "Alpha dropout of whole channels.",
-        "a channel",
-        "torch.ones(2, 3, 4)",
-        "torch.Size([2, 3, 4])",
-        alpha=True,
-    )
-    _impl = staticmethod(_dropout.impl_feature_alpha_dropout)
-    _uses_inplace = False
+    __doc__ = _dropout_doc("FeatureAlphaDropout", "Alpha dropout of whole channels.", "2, 3, 4")
+    _kind = "feature_alpha_dropout"
 
 
 class _ScopedBatchNorm(BatchNormBase):

@@ -14,24 +14,22 @@ from __future__ import annotations
 import functools
 import math
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..mechanisms._generators import OWN_GENERATORS
 from ..mechanisms._strict import scoped_draws
 
-__all__ = ["MASK_GENERATORS", "STREAM_VERSION", "Mask", "MaskedDropout", "masked_dropout"]
+__all__ = ["STREAM_VERSION", "Mask", "MaskedDropout", "masked_dropout"]
 
 # SELU's negative saturation, as in ATen's alpha dropout.
 _ALPHA = 1.7580993408473766
 
 
 _GENERATORS = threading.local()
-# Every thread's mask generators (weakly): explicit-generator replay leaves them alone.
-MASK_GENERATORS: weakref.WeakSet[torch.Generator] = weakref.WeakSet()
 
 # The version of the mask stream: which elements a (seed, p, shape, device) keeps.
 # It changes, with a CHANGELOG line, whenever any size band's bits change (the
@@ -81,7 +79,7 @@ def _mask_generator(device: torch.device) -> torch.Generator:
     generator = cache.get(device)
     if generator is None:
         generator = cache[device] = torch.Generator(device=device)
-        MASK_GENERATORS.add(generator)
+        OWN_GENERATORS.add(generator)  # explicit-generator replay leaves it alone
     return generator
 
 
@@ -132,9 +130,7 @@ def _hashed_keep(seed: int, threshold: int, keep: Tensor) -> None:
     """
     numel = keep.numel()
     words = (numel + 1) // 2
-    # A quarter of the words at most: the two buffers then hold 2 bytes per
-    # element, the mask 1, below the 4 of torch's noise (as the pieces do).
-    chunk = min(_HASH_CHUNK_WORDS, -(-words // 4))
+    chunk = min(_HASH_CHUNK_WORDS, -(-words // 4))  # a quarter of the words at most
     z = torch.empty((chunk,), dtype=torch.int64, device=keep.device)
     t = torch.empty_like(z)
     for start in range(0, words, chunk):
@@ -258,9 +254,7 @@ class Mask:
 
     def unit(self, kept: Tensor | None, dtype: torch.dtype) -> Tensor:
         """The 0/1 mask in ``dtype`` for backward: from the kept bytes, or drawn again."""
-        if kept is not None:
-            return kept.to(dtype)
-        return self.keep().to(dtype)
+        return (self.keep() if kept is None else kept).to(dtype)
 
     def scale(self, dtype: torch.dtype) -> float:
         """What kept elements are multiplied by: ``1 / (1 - p)`` as ATen computes it in ``dtype``.

@@ -63,10 +63,13 @@ from ..core._errors import ScopedCkptError
 from ..core._sampling import sampling_period, unverified_calls_before
 from ..core._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape, region_name
 from ..core._subtree import generators_in
-from ..layers._mask import MASK_GENERATORS
 from ._verify import verified_call
 
-__all__ = ["FRAME_PHASES", "Generators", "enter_frame", "replays", "start_region"]
+__all__ = ["FRAME_PHASES", "OWN_GENERATORS", "Generators", "enter_frame", "replays", "start_region"]
+
+# scopedckpt's own generators (the scoped layers' mask generators, every thread's, held
+# weakly): they draw what the layers' tapes replay, so no region stashes them.
+OWN_GENERATORS: weakref.WeakSet[torch.Generator] = weakref.WeakSet()
 
 FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
 
@@ -116,7 +119,7 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
     ):
         return False  # the common case: nothing to look at
     stash: Stash = []
-    skip = _defaults() | {id(g) for g in MASK_GENERATORS}
+    skip = _defaults() | {id(g) for g in OWN_GENERATORS}
     _add(stash, call.scope.generators, skip)
     for ref, name in places:
         module = ref()
@@ -210,7 +213,7 @@ class Watch(TorchFunctionMode):
         if (
             type(generator) is torch.Generator
             and id(generator) not in self.defaults
-            and generator not in MASK_GENERATORS
+            and generator not in OWN_GENERATORS
             and all(g is not generator for g, _ in stash)
         ):
             self._found(stash, generator)

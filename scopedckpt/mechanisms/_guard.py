@@ -12,25 +12,13 @@ as the first forward did:
   forward pre-hook, installed while any first-forward frame is active, in
   any thread (reference-counted by frame entries; it returns at once in
   contexts without a frame, and traces to nothing in compiled code that runs
-  in no eager frame). A global hook sends every module call down
+  in no eager frame). It goes first among torch's global pre-hooks, which run
+  before every module's own: a buffer a module's own pre-hook updates (legacy
+  ``spectral_norm``'s power iteration), or a user's global one, is copied
+  before it changes. A global hook sends every module call down
   ``nn.Module``'s slow path (its cost per call: docs/benchmarks.md), so a
-  recompute does without one: its tape says which
-  modules need guarding, and it hooks only those, while it runs (usually
-  none: converted models keep no module state on the tape). Strict mode and
-  selective saving, which must see every call, keep global hooks (a forward
-  hook too, run after each call) in recomputes as well.
-* Hook order: the global pre-hook goes first among torch's global pre-hooks,
-  which run before every module's own; a recompute's own pre-hooks go before
-  the module's own (``prepend``), its forward hooks after them. So a buffer a
-  module's own pre-hook updates (legacy ``spectral_norm``'s power iteration)
-  is copied before and swapped before that hook runs, and one its own forward
-  hook updates is updated on the swapped copy. While any other global
-  pre-hook is installed (a user's may update buffers too), a recompute uses
-  the global hook instead of its own pre-hooks. Global forward hooks run
-  before a module's own, so a recompute guarded by global hooks (strict mode,
-  selective saving, a foreign pre-hook) still ends each call (a
-  :class:`Stateful` module's state goes back) from forward hooks of its own,
-  after the module's.
+  recompute hooks nothing (selective saving, which numbers its module calls,
+  excepted).
 * *What is guarded:* the registered buffers (``module._buffers``) of every
   module called through ``__call__`` inside a region, and of the region's
   owner module itself, each with those of its guarded submodules: a forward
@@ -47,34 +35,27 @@ as the first forward did:
   region's start (NOTE [ unguarded writes ] in ``_written.py``).
   torch's lazy modules keep placeholders until their first call fills them;
   the guard fills them itself first (``initialize_lazy`` in ``_module_state.py``).
-* First forward: before each guarded call the module's buffers are copied
-  and the copies go on the tape at once, keyed by (module, how many calls of
-  it came before in this frame). All of them, not only those the call changed: a
-  buffer the call left bitwise unchanged (a running variance whose update
-  rounds back to itself) may have been moved on by later calls when the
-  recompute comes, and would then be updated for real (found by the property
-  test). The cost is a copy of each called module's buffers per call (and of
-  its submodules', where it has children), kept until backward; modules
-  without buffers (most) cost nothing.
-* Recompute: when it starts, every buffer its calls will swap is swapped for
-  a copy of its value before the first of them in the first forward
-  (``swap_in_first``); the real ones wait under the calls on the guard's
-  stack and go back when it ends. Before each call (the module's own hooks
-  find it) its buffers are swapped again, for fresh copies of their values
-  *before* the first forward's call, so the call computes from the same state
-  (a counter read after its update reads the same number), and the copies
-  its updates land on stay after it. So the recompute reads, before, between
-  and after calls, what the first forward read: QAT's ``ConvBn2d`` reads
-  ``bn.running_var`` before calling ``bn``, a fake quant reads its observer's
-  statistics after calling it. Buffers the unguarded writes swapped keep their
-  copies, of the values at the region's start. Swapping objects rather than
-  copying values also keeps the real buffers' version counters, which the
-  first forward's graph may have saved; the extra cost is one copy of each
-  guarded buffer per recompute.
-  A module with buffers that only the recompute calls is not hooked there:
-  the region's control flow changed between forward and backward, which
-  torch's determinism check reports when the calls save tensors, and strict
-  mode always.
+* First forward: before its first guarded call in the region, a module's
+  buffers are copied (with its submodules', where it has children) and its
+  :class:`Stateful` snapshot taken, on the tape. All of them, not only those
+  the call changes: a buffer one call leaves bitwise unchanged (a running
+  variance whose update rounds back to itself) may be updated by a later one.
+  The cost is a copy of each called module's buffers per region, kept until
+  backward; modules without buffers (most) cost nothing.
+* Recompute: when it starts, every buffer of those modules is swapped for a
+  copy of its value before the module's first call, and each snapshot is put
+  back (``swap_in_first``); the real ones go back when it ends, on early stop
+  and errors too. Its calls update the copies as the first forward's updated
+  the real ones, so before, between and after calls it reads what the first
+  forward read: QAT's ``ConvBn2d`` reads ``bn.running_var`` before calling
+  ``bn``, a fake quant reads its observer's statistics after calling it, and
+  a module called twice reads its first call's update. Buffers the unguarded
+  writes swapped keep their copies, of the values at the region's start.
+  Swapping objects rather than copying values also keeps the real buffers'
+  version counters, which the first forward's graph may have saved. A module
+  with buffers that only the recompute calls updates its real buffers: the
+  region's control flow changed between forward and backward, which the path
+  check (NOTE [ light check ]) or verification names, and strict mode always.
 * Scoped batch norm guards itself (throwaway running buffers, no copies), so
   the guard skips it: the fast path stays fast. Its statistics read outside
   its call (``convert`` run on a QAT-fused ``ConvBn2d``) are the real ones:
@@ -89,8 +70,7 @@ Compiled code run by an eager region (a compiled block inside
 ``scopedckpt.checkpoint``, or any recompute of one) calls the guard's
 global hooks while dynamo traces. Its work is never traced: in compiled code
 a hook either returns (no eager frame in this thread: nothing to guard) or
-calls itself again through ``torch.compiler.disable``, as do a
-recompute's own hooks. Traced, the hook graph-broke at ``FRAME.get()`` and
+calls itself again through ``torch.compiler.disable``. Traced, the hook graph-broke at ``FRAME.get()`` and
 dynamo compiled the bookkeeping after it (``guarded``, ``count_call``,
 ``enter``) as frames of their own, specialised on this package's mutable
 dicts (the class cache, a frame's call counts, the tape's states). Which of
@@ -110,8 +90,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
+from ..core._own_ops import internal
 from ..core._paths import BREAK, EAGER, frame_entered, frame_left, where
 from ..core._state import FORWARD, FRAME, RECOMPUTE, Frame, RegionCall, Tape
 from ..core._torch_private import (
@@ -127,13 +107,12 @@ from ._module_state import (
     swap_in_first,
     unwind,
 )
-from ._selective import internal, saves
+from ._selective import saves
 
 __all__ = [
     "FRAME_PHASES",
     "end",
     "enter_frame",
-    "guarded_call",
     "installed",
     "modules_called",
     "start_region",
@@ -150,7 +129,7 @@ def _outside_numbering(
     frame: Frame, step: Callable[[Frame, nn.Module], Any], module: nn.Module
 ) -> Any:
     """Run a guard step; under selective saving its copies are no op calls of the
-    region's (``internal`` in _selective.py)."""
+    region's (``core/_own_ops.py``)."""
     if not saves(frame.tape):
         return step(frame, module)
     with internal():
@@ -166,7 +145,7 @@ def _pre_hook(module: nn.Module, args: Any) -> None:
             _pre_outside_dynamo(module, args)
         return
     frame = FRAME.get()
-    if frame is None or frame.hooks is not None:
+    if frame is None or frame.unhooked:
         return
     key = id(module)
     if frame.phase is not RECOMPUTE:
@@ -198,13 +177,13 @@ def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
             _post_outside_dynamo(module, args, output)
         return
     frame = FRAME.get()
-    if frame is None or frame.hooks is not None:
+    if frame is None or frame.unhooked:
         return
     if saves(frame.tape) and frame.modules:
         frame.modules.pop()
         if frame.selective is not None:
             frame.selective.exit_module()
-    if frame.exits is None and frame.guards and frame.guards[-1].module is module:
+    if frame.guards and frame.guards[-1].module is module:
         _outside_numbering(frame, exit_, module)
 
 
@@ -235,35 +214,31 @@ def enter_frame(frame: Frame) -> Callable[..., None]:
     """Start guarding the module calls of a frame that is being entered; returns what
     stops guarding them.
 
-    A first forward, strict mode and selective saving use the global hooks
-    (installed while at least one frame uses them, in any thread). A plain
-    recompute hooks only the modules its tape has states of: global hooks
-    installed per frame, not per region alive, also mean that compiled code
-    running between regions (a compiled head) meets no hooks, and dynamo
-    neither traces them nor recompiles when they come and go.
+    A first forward uses the global hooks (installed while at least one frame uses
+    them, in any thread), and strict mode and selective saving a global forward hook
+    too. A recompute swaps in the copies its calls run on when it starts, and hooks
+    nothing but for selective saving's numbering: global hooks installed per frame,
+    not per region alive, also mean that compiled code running between regions (a
+    compiled head) meets no hooks, and dynamo neither traces them nor recompiles when
+    they come and go.
     """
     frame_entered()
-    # Strict mode's check and selective saving's module numbering see every call,
-    # and after it too.
-    every_call = frame.scope.strict or saves(frame.tape)
     if frame.phase is not RECOMPUTE:
+        # Strict mode's check and selective saving's module numbering see every call,
+        # and after it too.
+        every_call = frame.scope.strict or saves(frame.tape)
         _install(every_call)
+        owner = frame.owner
+        if isinstance(owner, nn.Module) and guarded(owner):
+            # Its forward runs in the region without __call__: the frame is its call.
+            _outside_numbering(frame, enter, owner)
         return functools.partial(end, frame, every_call, None)
-    states = frame.tape.states
-    modules = {id(s.module): s.module for s in states.values()} if states else None
-    # Another global pre-hook (a user's) runs before every module's own hooks, and may
-    # update buffers: the guard's global one, in front of it, must swap them first.
-    foreign = len(GLOBAL_PRE_HOOKS) > (_KEY in GLOBAL_PRE_HOOKS)
-    if not every_call and not foreign:
-        frame.hooks = []
-        if modules:
-            frame.hooks = [h for m in modules.values() for h in _own_hooks(frame, m)]
-    else:
+    every_call = saves(frame.tape)
+    if every_call:
         _install(every_call)
-        # Global post hooks run before a module's own: calls end after those (which
-        # update the swapped copies), from hooks of its own.
-        frame.exits = [_own_exit(frame, m) for m in modules.values()] if modules else []
-    if states:  # last: nothing after it raises; end() puts the real buffers back
+    else:
+        frame.unhooked = True  # other frames' global hooks leave its calls alone
+    if frame.tape.states:  # last: nothing after it raises; end() puts the real buffers back
         swap_in_first(frame)
     return functools.partial(end, frame, every_call, _first_forward_modes(frame))
 
@@ -285,6 +260,11 @@ def end(
 ) -> None:
     """Stop guarding a frame that is being left, leaving no swapped buffer or mode behind."""
     try:
+        owner = frame.owner
+        if frame.phase is not RECOMPUTE and (not exc or exc[0] is None):
+            # The owner's call ended (the frame): strict mode's check.
+            if isinstance(owner, nn.Module) and frame.guards and frame.guards[-1].module is owner:
+                _outside_numbering(frame, exit_, owner)
         if frame.guards:
             unwind(frame)
     finally:
@@ -292,14 +272,8 @@ def end(
             for module, training in switched:
                 module.training = not training
         frame_left()
-        if frame.hooks is not None:
-            for handle in frame.hooks:
-                handle.remove()
-        else:
+        if not frame.unhooked:
             _uninstall(every_call)
-            for handle in frame.exits or ():
-                handle.remove()
-            frame.exits = None
 
 
 # The key of the guard's global hooks in torch's dicts of them (torch's are handle ids,
@@ -352,45 +326,3 @@ def installed() -> list[str]:
         for kind, hooks in (("pre", GLOBAL_PRE_HOOKS), ("post", GLOBAL_POST_HOOKS))
         if _KEY in hooks
     ]
-
-
-def _own_hooks(frame: Frame, module: nn.Module) -> list[RemovableHandle]:
-    """Hooks on ``module`` alone that guard its calls in ``frame`` (a recompute)."""
-
-    @torch.compiler.disable  # NOTE [ the guard under dynamo ]
-    def pre(module: nn.Module, args: Any) -> None:
-        if FRAME.get() is frame:  # other threads and frames may call it meanwhile
-            enter(frame, module)
-
-    # Before the module's own pre-hooks (spectral norm's power iteration updates its
-    # buffers in one), after its own forward hooks: they update the swapped copies.
-    return [module.register_forward_pre_hook(pre, prepend=True), _own_exit(frame, module)]
-
-
-def _own_exit(frame: Frame, module: nn.Module) -> RemovableHandle:
-    """A forward hook on ``module`` alone, after its own, that puts its real buffers back."""
-
-    @torch.compiler.disable  # NOTE [ the guard under dynamo ]
-    def post(module: nn.Module, args: Any, output: Any) -> None:
-        if FRAME.get() is frame and frame.guards and frame.guards[-1].module is module:
-            _outside_numbering(frame, exit_, module)
-
-    return module.register_forward_hook(post, always_call=True)
-
-
-def guarded_call(owner: nn.Module, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` (the owner's forward, run without ``__call__``) guarded as a call of ``owner``."""
-    if not guarded(owner):
-        return fn
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        frame = FRAME.get()
-        assert frame is not None  # called by torch's checkpoint inside our frame
-        # A lazy owner is initialized: its own hook ran in __call__, outside the region.
-        _outside_numbering(frame, enter, owner)
-        result = fn(*args, **kwargs)
-        # On an exception, unwind() cleans up when the frame ends.
-        _outside_numbering(frame, exit_, owner)
-        return result
-
-    return call

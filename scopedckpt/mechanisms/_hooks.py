@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
@@ -53,14 +54,12 @@ FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
 _OWN = "scopedckpt."  # the package's own hooks (the guard's, the planner's) always run
 
 
+@dataclass(slots=True, eq=False)
 class Hooks:
     """A region's hooked dicts and what its first forward saw (``tape.hooks``)."""
 
-    __slots__ = ("changed", "dicts")
-
-    def __init__(self, dicts: list[dict[int, Any]]) -> None:
-        self.dicts = dicts  # the subtree's hook dicts that hold hooks
-        self.changed: set[int] = set()  # ids of the hooks that changed tensors
+    dicts: list[dict[int, Any]]  # the subtree's hook dicts that hold hooks
+    changed: set[int] = field(default_factory=set)  # ids of the hooks that changed tensors
 
 
 class _Recording(threading.local):
@@ -96,7 +95,9 @@ def enter_frame(frame: Frame) -> Callable[..., None] | None:
             if getattr(hook, "__module__", "").startswith(_OWN):
                 continue
             wrapped.append((d, key, hook))
-            d[key] = _recording(hook) if forward else _chosen(hook, id(hook) in hooks.changed)
+            wrapper = _recording(hook) if forward else _chosen(hook, id(hook) in hooks.changed)
+            wrapper._scopedckpt_original = hook  # type: ignore[attr-defined]
+            d[key] = wrapper
     return functools.partial(_unwrap, wrapped, forward)
 
 
@@ -140,7 +141,6 @@ def _recording(hook: Any) -> Callable[..., Any]:
                 changed.add(id(hook))
         return result
 
-    wrapper._scopedckpt_original = hook  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -150,5 +150,4 @@ def _chosen(hook: Any, run: bool) -> Callable[..., Any]:
     def wrapper(*args: Any) -> Any:
         return hook(*args) if run else None
 
-    wrapper._scopedckpt_original = hook  # type: ignore[attr-defined]
     return wrapper

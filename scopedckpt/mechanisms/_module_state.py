@@ -11,9 +11,7 @@ its start (``swap_in_first``) to its end (``unwind``).
 from __future__ import annotations
 
 import contextvars
-import functools
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -24,6 +22,7 @@ from torch.nn.parameter import is_lazy
 from ..core._errors import ScopedCkptError
 from ..core._names import frame_region_name
 from ..core._state import RECOMPUTE, Frame, module_path
+from ..core._subtree import guarded
 from ..core._torch_private import module_buffers
 from ._report import stats_of
 from ._verify import not_verified_statistics, verified_call
@@ -38,7 +37,6 @@ __all__ = [
     "exit_",
     "guarded",
     "initialize_lazy",
-    "self_guarded",
     "swap_in_first",
     "unwind",
 ]
@@ -106,27 +104,10 @@ class GuardEntry:
 
 
 _NONE = object()
-_SELF_GUARDED: set[Callable[..., Any]] = set()
-# _class_kind's answers by id(class), each beside a weak reference to its class whose
-# callback removes the entry when the class goes: classes made at run time can go,
-# and an id is never reused while its entry is here. (A WeakKeyDictionary makes a
-# weak reference at every lookup, and the guard looks up every module call.)
-_CLASSES: dict[int, tuple[bool | None, weakref.ref[type]]] = {}
-
-
-def self_guarded(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark a forward that keeps its module's buffers itself (scoped batch norm)."""
-    _SELF_GUARDED.add(forward)
-    _CLASSES.clear()
-    return forward
-
-
-def _stateful_class(cls: type) -> bool:
-    return callable(getattr(cls, "scopedckpt_restore", None))
 
 
 def _stateful(module: nn.Module) -> bool:
-    return _stateful_class(type(module))
+    return callable(getattr(type(module), "scopedckpt_restore", None))
 
 
 def _snapshot(module: nn.Module) -> Any:
@@ -135,33 +116,6 @@ def _snapshot(module: nn.Module) -> Any:
 
 def _restore(module: nn.Module, state: Any) -> None:
     getattr(module, "scopedckpt_restore")(state)  # noqa: B009
-
-
-def _class_kind(cls: type) -> bool | None:
-    """Per class: None if its forward guards itself, else whether it is :class:`Stateful`.
-
-    Cached, since the global hook asks at every module call of a first forward.
-    Whether an instance has buffers is asked of the instance each time: buffers
-    come and go (a module may register one after construction).
-    """
-    entry = _CLASSES.get(id(cls))
-    if entry is not None:
-        return entry[0]
-    kind = None if getattr(cls, "forward", None) in _SELF_GUARDED else _stateful_class(cls)
-    _CLASSES[id(cls)] = (kind, weakref.ref(cls, functools.partial(_forget_class, id(cls))))
-    return kind
-
-
-def _forget_class(key: int, _: object) -> None:
-    _CLASSES.pop(key, None)
-
-
-def guarded(module: nn.Module) -> bool:
-    """Whether calls of ``module`` are guarded: it has buffers or is Stateful, and its
-    forward does not guard itself."""
-    entry = _CLASSES.get(id(type(module)))
-    kind = entry[0] if entry is not None else _class_kind(type(module))
-    return kind is not None and (kind or bool(module_buffers(module)))
 
 
 def _same(a: Any, b: Tensor) -> bool:
@@ -193,50 +147,35 @@ def count_call(frame: Frame, module: nn.Module) -> int:
     return index
 
 
+def _copies(module: nn.Module) -> list[tuple[str, Tensor]]:
+    return [(n, b.clone()) for n, b in module_buffers(module).items() if b is not None]
+
+
 def enter(frame: Frame, module: nn.Module) -> int:
-    """Before a guarded call: copy its state (forward) or swap in the recorded one.
+    """Before a guarded call of a first forward: at the module's first call in the frame,
+    record its state (copies of its buffers and its submodules', its snapshot), which the
+    recompute starts from; in strict mode, copies to check the call against. A
+    recompute's calls run on the copies ``swap_in_first`` put in.
 
     Returns the call's index (how many calls of the module came before it)."""
-    if verified_call(frame.tape) is not None:
-        not_verified_statistics(module)  # the registered ones now, the swapped copies below
     index = count_call(frame, module)
-    stateful = _stateful(module)
-    if frame.phase is not RECOMPUTE:
-        saved = [(n, b.clone()) for n, b in module_buffers(module).items() if b is not None]
-        state = _snapshot(module) if stateful else _NONE
+    if frame.phase is RECOMPUTE:
+        return index
+    if verified_call(frame.tape) is not None:
+        not_verified_statistics(module)
+    states = frame.tape.states
+    saved: list[tuple[str, Tensor]] | None = None
+    if id(module) not in states:
+        saved = _copies(module)
+        state = _snapshot(module) if _stateful(module) else _NONE
         nested = _nested(module)
-        frame.tape.states[(id(module), index)] = ModuleState(module, saved, state, nested)
+        states[id(module)] = ModuleState(module, saved, state, nested)
         stats = stats_of(frame.tape)
         if stats is not None:  # the memory report's row counts the copies as kept
             stats.kept_bytes += sum(tensor.nbytes for _, tensor in saved)
             stats.kept_bytes += sum(tensor.nbytes for *_, tensor in nested)
-        if frame.scope.strict:  # checked after the call (exit_)
-            frame.guards.append(GuardEntry(module, index, saved, state))
-        return index
-    record: ModuleState | None = frame.tape.states.get((id(module), index))
-    if record is None:
-        raise ScopedCkptError(
-            f"scopedckpt: the recompute of {frame_region_name(frame)} called "
-            f"{type(module).__name__} more often than its first forward: move data-dependent "
-            "branches out of it.\n"
-            f"Its call {index + 1} of {module_path(module, frame)}, a module with buffers or "
-            "state, has no state to recompute it from. The region's control flow must not "
-            "depend on data that changes between forward and backward."
-        )
-    # The buffers hold copies since the recompute started (swap_in_first): fresh ones of
-    # the values before this call, left after it, as the first forward left the real ones.
-    for name, before in record.buffers:
-        # A copy: a later recompute needs `before` again.
-        module_buffers(module)[name] = before.clone()
-    for holder, name, before in record.nested:
-        module_buffers(holder)[name] = before.clone()
-    if verified_call(frame.tape) is not None:
-        not_verified_statistics(module)
-    current = _NONE
-    if record.state is not _NONE:
-        current = _snapshot(module)
-        _restore(module, record.state)
-    frame.guards.append(GuardEntry(module, index, [], current))
+    if frame.scope.strict:  # checked after the call (exit_)
+        frame.guards.append(GuardEntry(module, index, saved or _copies(module), _NONE))
     return index
 
 
@@ -251,20 +190,23 @@ SWAPPED: contextvars.ContextVar[frozenset[tuple[int, str]]] = contextvars.Contex
 
 
 def swap_in_first(frame: Frame) -> None:
-    """A recompute starts: swap copies in for every buffer its calls will swap, of their
-    values before the first of them in the first forward, until the recompute ends.
+    """A recompute starts: swap copies in for the buffers of every module its first
+    forward called, of their values before the module's first call, and put back each
+    one's snapshot, until the recompute ends.
 
-    Its calls swap fresh copies in and leave them: between and before calls the
-    recompute reads what the first forward read (QAT's ``ConvBn2d`` folds
-    ``bn.running_var`` into its weight before calling ``bn``; a fake quant reads its
-    observer's statistics after calling it). The real ones go on the guard's stack,
-    under the calls, and ``unwind`` puts them back. Buffers the unguarded writes swapped
-    (``SWAPPED``) already hold copies, of their values at the region's start.
+    The recompute's calls update the copies as the first forward's updated the real
+    ones, so before, between and after calls it reads what the first forward read
+    (QAT's ``ConvBn2d`` folds ``bn.running_var`` into its weight before calling ``bn``;
+    a fake quant reads its observer's statistics after calling it). The real ones go
+    on the frame's guard stack, and ``unwind`` puts them back. Buffers the unguarded
+    writes swapped (``SWAPPED``) already hold copies, of their values at the region's
+    start.
     """
     skip = SWAPPED.get()
+    verified = verified_call(frame.tape) is not None
     reals: dict[int, GuardEntry] = {}  # by holder id
     seen: set[tuple[int, str]] = set()
-    for record in frame.tape.states.values():  # in the order of the calls
+    for record in frame.tape.states.values():  # in the order of the first calls
         own = ((record.module, name, before) for name, before in record.buffers)
         for holder, name, before in (*own, *record.nested):
             key = (id(holder), name)
@@ -277,6 +219,14 @@ def swap_in_first(frame: Frame) -> None:
             buffers = module_buffers(holder)
             entry.saved.append((name, buffers.get(name)))
             buffers[name] = before.clone()  # a copy: later recomputes need `before` again
+            if verified:
+                not_verified_statistics(holder)
+        if record.state is not _NONE:
+            entry = reals.get(id(record.module))
+            if entry is None:
+                entry = reals[id(record.module)] = GuardEntry(record.module, -1, [], _NONE)
+            entry.state = _snapshot(record.module)
+            _restore(record.module, record.state)
     frame.guards.extend(reals.values())
 
 
@@ -310,12 +260,9 @@ def initialize_lazy(frame: Frame, module: nn.Module, args: tuple[Any, ...]) -> N
 
 
 def exit_(frame: Frame, module: nn.Module) -> None:
-    """After a guarded call: strict mode's check (forward) or put the reals back."""
-    if frame.phase is not RECOMPUTE:
-        if frame.scope.strict:
-            _refuse_changes(frame, module, frame.guards.pop())
-        return
-    _put_back(frame.guards.pop())
+    """After a guarded call of a first forward: strict mode's check."""
+    if frame.phase is not RECOMPUTE and frame.scope.strict:
+        _refuse_changes(frame, module, frame.guards.pop())
 
 
 def _refuse_changes(frame: Frame, module: nn.Module, entry: GuardEntry) -> None:
@@ -341,8 +288,8 @@ def _put_back(entry: GuardEntry) -> None:
 
 
 def unwind(frame: Frame) -> None:
-    """Leave no swapped buffer behind when a frame ends: a recompute's real buffers
-    (``swap_in_first``), and after an error or early stop its calls' states."""
+    """Leave no swapped buffer behind when a frame ends: a recompute's real buffers and
+    states (``swap_in_first``); a first forward's strict checks left by an error."""
     while frame.guards:
         entry = frame.guards.pop()
         if frame.phase is RECOMPUTE:

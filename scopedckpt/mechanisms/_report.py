@@ -35,7 +35,7 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +59,8 @@ __all__ = [
 
 _LOCK = threading.Lock()
 _ACTIVE: list[MemoryReport] = []
+# The fields of RegionStats a row sums over its region's calls, in a row's key order.
+_SUMMED = ("recomputes", "kept_bytes", "freed_bytes", "records", "recompute_seconds", "verified")
 
 
 @dataclass
@@ -94,26 +96,10 @@ class MemoryReport:
         with _LOCK:
             regions = list(self.regions)
         for stats in regions:
-            row = rows.setdefault(
-                stats.name,
-                {
-                    "region": stats.name,
-                    "calls": 0,
-                    "recomputes": 0,
-                    "kept_bytes": 0,
-                    "freed_bytes": 0,
-                    "records": 0,
-                    "recompute_seconds": 0.0,
-                    "verified": 0,
-                },
-            )
+            row = rows.setdefault(stats.name, {"region": stats.name, "calls": 0})
             row["calls"] += 1
-            row["recomputes"] += stats.recomputes
-            row["kept_bytes"] += stats.kept_bytes
-            row["freed_bytes"] += stats.freed_bytes
-            row["records"] += stats.records
-            row["recompute_seconds"] += stats.recompute_seconds
-            row["verified"] += stats.verified
+            for key in _SUMMED:  # first set in a row's first call: keys in _SUMMED's order
+                row[key] = row.get(key, 0) + getattr(stats, key)
         return list(rows.values())
 
     @property
@@ -150,22 +136,18 @@ class MemoryReport:
         ]
         widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
 
-        def fmt(cells: Iterable[str]) -> str:
-            parts = []
-            for i, cell in enumerate(cells):
-                parts.append(cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]))
-            return "  ".join(parts).rstrip()
+        def fmt(cells: tuple[str, ...]) -> str:  # the region's name left-aligned, numbers right
+            numbers = [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]
+            return "  ".join([cells[0].ljust(widths[0]), *numbers]).rstrip()
 
         rule = "  ".join("-" * w for w in widths)
         return "\n".join([fmt(header), rule, *map(fmt, lines[:-1]), rule, fmt(lines[-1])])
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024 or unit == "MiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    raise AssertionError("unreachable")
+    if n < 1024:
+        return f"{n} B"
+    return f"{n / 1024:.1f} KiB" if n < 1024**2 else f"{n / 1024**2:.1f} MiB"
 
 
 @contextmanager
@@ -215,28 +197,6 @@ def memory_report(root: torch.nn.Module | None = None) -> Iterator[MemoryReport]
             _ACTIVE.remove(report)
 
 
-def start(
-    owner: object | None, label: object, root: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> RegionStats | None:
-    """A region's first forward begins: its stats, if a report is open."""
-    if not _ACTIVE:
-        return None
-    stats = RegionStats(_name(owner, label, root or _ACTIVE[-1].root))
-    for tensor in _tensors(args, kwargs):
-        stats.kept_bytes += _new_storage_bytes(stats._seen, tensor)
-    module = owner if owner is not None else label
-    if isinstance(module, torch.nn.Module):
-        # Its buffers stay alive whatever the region saves (parameters too: the
-        # pack hook tells them by type). A plain set: these live longer than
-        # the report, so they need no weak references (which cost more than the
-        # rest of this function on small blocks).
-        stats._buffers = _buffer_storages(module)
-    with _LOCK:
-        for report in _ACTIVE:
-            report.regions.append(stats)
-    return stats
-
-
 def _buffer_storages(module: torch.nn.Module) -> frozenset[int]:
     """The storages of every buffer of ``module`` and its submodules.
 
@@ -269,12 +229,6 @@ def _name(owner: object | None, label: object, root: Any) -> str:
     return str(name) if name else type(label).__name__
 
 
-def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-            yield value
-
-
 def _new_storage_bytes(seen: dict[int, Any], tensor: torch.Tensor) -> int:
     """``tensor``'s storage size if ``seen`` has not counted that storage yet.
 
@@ -296,48 +250,35 @@ def _forget(seen: dict[int, Any], key: int, _: object) -> None:
     seen.pop(key, None)
 
 
-class counting_saved_tensors:  # noqa: N801 - used like torch's saved_tensors_hooks
-    """Count the tensors a region's first forward saves, then hand them to torch's hook."""
+def counting_saved_tensors(stats: RegionStats) -> Callable[..., None] | None:
+    """Count the tensors a region's first forward saves, then hand them to torch's hook;
+    returns what stops counting (None outside torch's checkpoint: nothing to count)."""
+    top = top_saved_tensors_hooks()
+    if top is None:
+        return None
+    pack, unpack = top
+    seen, buffers, freed = stats._seen, stats._buffers, stats._freed
+    parameter, plain = torch.nn.Parameter, torch.Tensor
 
-    def __init__(self, stats: RegionStats) -> None:
-        self._stats = stats
-        self._hooks: Any = None
+    def counting_pack(tensor: torch.Tensor) -> Any:
+        # Runs for every saved tensor: the common case (seen, or a weight)
+        # returns before any call.
+        base = base_of(tensor)
+        owner = tensor if base is None else base  # a weight, or its transpose
+        # isinstance(x, Parameter) runs Python (Parameter's metaclass) for
+        # every plain tensor: tell those apart by type first.
+        kind = type(owner)
+        if kind is not parameter and (kind is plain or not isinstance(owner, parameter)):
+            key = tensor.untyped_storage().data_ptr()
+            if key not in seen and key not in buffers:
+                counted = _new_storage_bytes(seen, tensor)
+                stats.freed_bytes += counted
+                freed[key] = counted
+        return pack(tensor)
 
-    def __enter__(self) -> None:
-        top = top_saved_tensors_hooks()
-        if top is None:  # not inside torch's checkpoint: nothing to count
-            return
-        pack, unpack = top
-        stats = self._stats
-
-        seen = stats._seen
-        buffers = stats._buffers
-        freed = stats._freed
-        parameter, plain = torch.nn.Parameter, torch.Tensor
-
-        def counting_pack(tensor: torch.Tensor) -> Any:
-            # Runs for every saved tensor: the common case (seen, or a weight)
-            # returns before any call.
-            base = base_of(tensor)
-            owner = tensor if base is None else base  # a weight, or its transpose
-            # isinstance(x, Parameter) runs Python (Parameter's metaclass) for
-            # every plain tensor: tell those apart by type first.
-            kind = type(owner)
-            if kind is not parameter and (kind is plain or not isinstance(owner, parameter)):
-                key = tensor.untyped_storage().data_ptr()
-                if key not in seen and key not in buffers:
-                    counted = _new_storage_bytes(seen, tensor)
-                    stats.freed_bytes += counted
-                    freed[key] = counted
-            return pack(tensor)
-
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(counting_pack, unpack)
-        self._hooks.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        if self._hooks is not None:
-            self._hooks.__exit__(*exc)
-            self._hooks = None
+    hooks = torch.autograd.graph.saved_tensors_hooks(counting_pack, unpack)
+    hooks.__enter__()
+    return hooks.__exit__
 
 
 def finish_forward(stats: RegionStats, tape: Tape) -> None:
@@ -370,7 +311,6 @@ def recomputed(stats: RegionStats, seconds: float) -> None:
 
 now = time.perf_counter
 
-# The phases of the frames enter_frame acts in.
 FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
 
 
@@ -383,8 +323,23 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
     """A region starts: its row, if a report is open."""
     if not _ACTIVE:
         return False
-    tape.stats = start(call.owner, call.label, call.scope.root, call.args, call.kwargs)
-    return tape.stats is not None
+    owner, label = call.owner, call.label
+    stats = RegionStats(_name(owner, label, call.scope.root or _ACTIVE[-1].root))
+    for _, tensor, _ in call.tensors:  # its tensor arguments, positional then keyword
+        if not isinstance(tensor, torch.nn.Parameter):
+            stats.kept_bytes += _new_storage_bytes(stats._seen, tensor)
+    module = owner if owner is not None else label
+    if isinstance(module, torch.nn.Module):
+        # Its buffers stay alive whatever the region saves (parameters too: the
+        # pack hook tells them by type). A plain set: these live longer than
+        # the report, so they need no weak references (which cost more than the
+        # rest of this function on small blocks).
+        stats._buffers = _buffer_storages(module)
+    with _LOCK:
+        for report in _ACTIVE:
+            report.regions.append(stats)
+    tape.stats = stats
+    return True
 
 
 def enter_frame(frame: Frame) -> Callable[..., None] | None:
@@ -392,11 +347,11 @@ def enter_frame(frame: Frame) -> Callable[..., None] | None:
     stats = frame.tape.stats
     assert stats is not None  # start_region said so
     if frame.phase is FORWARD:
-        counting = counting_saved_tensors(stats)
-        counting.__enter__()
+        stop_counting = counting_saved_tensors(stats)
 
         def finish(*exc: object) -> None:
-            counting.__exit__(*exc)
+            if stop_counting is not None:
+                stop_counting(*exc)
             finish_forward(stats, frame.tape)
 
         return finish

@@ -120,15 +120,12 @@ class RngStash:
     cpu: Tensor
     devices: tuple[tuple[Access, Tensor], ...]
 
-    def apply(self) -> None:
-        """Set every generator to this state."""
+    def apply(self, *exc: object) -> None:
+        """Set every generator to this state; also a frame's undo, which is given the frame's
+        exception (NOTE [ region mechanisms ] in _mechanisms.py)."""
         _CPU.set_state(self.cpu)
         for (_, set_state), state in self.devices:
             set_state(state)
-
-    def put_back(self, *exc: object) -> None:
-        """:meth:`apply`, as a frame's undo (NOTE [ region mechanisms ] in _mechanisms.py)."""
-        self.apply()
 
     def current(self) -> RngStash:
         """The same generators' states now, to put back after a recompute."""
@@ -143,7 +140,6 @@ def stash() -> RngStash:
     return RngStash(_CPU.get_state(), devices)
 
 
-# The phases of the frames enter_frame acts in.
 FRAME_PHASES = frozenset({RECOMPUTE})
 
 
@@ -179,4 +175,4 @@ def enter_frame(frame: Frame) -> Callable[..., None] | None:
     assert stashed is not None  # start_region said so
     found = stashed.current() if frame.rewind else None
     stashed.apply()
-    return None if found is None else found.put_back
+    return None if found is None else found.apply

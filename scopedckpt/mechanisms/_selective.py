@@ -9,7 +9,7 @@ region's aten ops, with the differences exactness needs:
 
 * First forward (:class:`SavingMode`): every op call of the region (not of a
   nested region, which has its own tape, and not of scopedckpt's own
-  bookkeeping, see :func:`internal`) is numbered per op overload *and per
+  bookkeeping, see ``core/_own_ops.py``) is numbered per op overload *and per
   module call running it* (the innermost module's id and call index, tracked
   by the buffer guard's hooks), and the decision is recorded at that number:
   the output, detached (so the tape holds no autograd graph), or "recompute".
@@ -55,7 +55,6 @@ region's aten ops, with the differences exactness needs:
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +63,7 @@ from torch import Tensor, nn
 
 from ..core._errors import ScopedCkptError
 from ..core._names import module_region
+from ..core._own_ops import issuing_own_ops
 from ..core._policy import SavePolicy
 from ..core._state import FORWARD, FRAME, RECOMPUTE, Frame, RegionCall, Tape, region_name_of
 from ..core._torch_private import (
@@ -82,31 +82,10 @@ __all__ = [
     "SavingMode",
     "ServingMode",
     "enter_frame",
-    "internal",
     "kept_tensors",
     "saves",
     "start_region",
 ]
-
-
-class _Internal(threading.local):
-    depth = 0
-
-
-_INTERNAL = _Internal()
-
-
-class internal:  # noqa: N801 - used like a function: ``with internal():``
-    """Ops issued by scopedckpt's own bookkeeping (buffer copies) are neither
-    numbered nor saved: forward and recompute issue different ones."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        _INTERNAL.depth += 1
-
-    def __exit__(self, *exc: object) -> None:
-        _INTERNAL.depth -= 1
 
 
 @dataclass
@@ -128,10 +107,6 @@ class Saved:
     label: object  # the region, for error messages
     # (op overload, (module id, call index) running it or None) -> per call, in order
     calls: dict[tuple[Any, Any], list[_Kept | None]] = field(default_factory=dict)
-
-    def tensors(self) -> list[Tensor]:
-        """The kept tensors (for the memory report)."""
-        return [t for entries in self.calls.values() for e in entries if e for t, _ in e.versions]
 
 
 _WHY_NOT: dict[Any, str | None] = {}
@@ -199,12 +174,24 @@ class _RegionMode(TorchDispatchMode):
         self._policy = saved.policy
         self._only_ops = saved.policy.only_ops
 
-    def _numbered(self, func: Any) -> bool:
-        """Not: an op an op-only policy does not name (numbered in neither run),
-        scopedckpt's own bookkeeping, torch's ignored ops, a nested region's ops."""
-        if self._only_ops and not self._policy.names(func):
-            return False
-        return not (_INTERNAL.depth or func in SAC_IGNORED_OPS or FRAME.get() is not self._frame)
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        # Not numbered (in neither run): an op an op-only policy does not name, scopedckpt's
+        # own bookkeeping, torch's ignored ops, a nested region's ops.
+        if (
+            (self._only_ops and not self._policy.names(func))
+            or issuing_own_ops()
+            or func in SAC_IGNORED_OPS
+            or FRAME.get() is not self._frame
+        ):
+            return func(*args, **kwargs)
+        return self._numbered(func, args, kwargs)
+
+    def _numbered(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run a numbered op call: each mode's own."""
+        raise NotImplementedError
 
     def _region(self) -> str:
         """The region, for an error message (NOTE [ naming ] in _names.py)."""
@@ -234,12 +221,7 @@ class SavingMode(_RegionMode):
         if self._selected:
             self._depth -= self._selected.pop()
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if not self._numbered(func):
-            return func(*args, **kwargs)
+    def _numbered(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         explicit = self._explicit and self._policy.explicit(func, args, kwargs)
         entries = self._saved.calls.setdefault(_key(func, self._frame), [])
         if not (explicit or self._depth):
@@ -259,18 +241,12 @@ class SavingMode(_RegionMode):
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         kept = _detach(out)
-        rng = None
+        versions = tuple((t, version_of(t)) for t in _tensors(kept))
         tape = self._frame.tape
+        rng = None
         if replays(tape) and draws_random_numbers(func, args, kwargs):
             rng = states_now(tape)
-        entries.append(
-            _Kept(
-                kept,
-                tuple((t, version_of(t)) for t in _tensors(kept)),
-                _signature(args, kwargs),
-                rng,
-            )
-        )
+        entries.append(_Kept(kept, versions, _signature(args, kwargs), rng))
         return out
 
 
@@ -281,12 +257,7 @@ class ServingMode(_RegionMode):
         super().__init__(saved, frame)
         self._counts: dict[Any, int] = {}
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if not self._numbered(func):
-            return func(*args, **kwargs)
+    def _numbered(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         key = _key(func, self._frame)
         index = self._counts.get(key, 0)
         self._counts[key] = index + 1
@@ -315,7 +286,6 @@ def _shapes(signature: tuple[Any, ...]) -> str:
     return "(" + ", ".join(f"{tuple(shape)} {dtype}" for shape, dtype in signature) + ")"
 
 
-# The phases of the frames enter_frame acts in.
 FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
 
 
@@ -326,7 +296,10 @@ def saves(tape: Tape) -> bool:
 
 def kept_tensors(tape: Tape) -> list[Tensor]:
     """The op outputs the region keeps for its recomputes (the memory report's)."""
-    return [] if tape.saved is None else tape.saved.tensors()
+    saved = tape.saved
+    if saved is None:
+        return []
+    return [t for entries in saved.calls.values() for e in entries if e for t, _ in e.versions]
 
 
 def start_region(tape: Tape, call: RegionCall) -> bool:

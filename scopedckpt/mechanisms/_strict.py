@@ -23,14 +23,7 @@ from ..core._names import frame_region_name
 from ..core._state import FORWARD, Frame, RegionCall, Tape
 from ..core._torch_private import TorchDispatchMode, bound_arguments
 
-__all__ = [
-    "FRAME_PHASES",
-    "draws_random_numbers",
-    "enter_frame",
-    "scoped_draws",
-    "start_region",
-    "unscoped_random_detector",
-]
+__all__ = ["FRAME_PHASES", "draws_random_numbers", "enter_frame", "scoped_draws", "start_region"]
 
 
 _SCOPED_DRAW: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -38,8 +31,9 @@ _SCOPED_DRAW: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
-class _ScopedDraws:
-    """Mark random ops issued by scoped layers as allowed in strict mode.
+class scoped_draws:  # noqa: N801 - used like a function: ``with scoped_draws():``
+    """A fresh (single-use) context manager under which strict mode lets random ops through:
+    scoped layers' own draws.
 
     A plain class rather than ``@contextmanager``: it runs on every dropout
     call, and a generator-based context manager costs several times more.
@@ -52,11 +46,6 @@ class _ScopedDraws:
 
     def __exit__(self, *exc: object) -> None:
         _SCOPED_DRAW.reset(self._token)
-
-
-def scoped_draws() -> _ScopedDraws:
-    """A fresh (single-use) context manager under which strict mode lets random ops through."""
-    return _ScopedDraws()
 
 
 _NO_DRAW = {"p": 0.0, "dropout_p": 0.0, "train": False, "training": False}
@@ -84,7 +73,7 @@ def _explicit_generator(named: dict[str, Any]) -> bool:
 class _UnscopedRandomDetector(TorchDispatchMode):
     """Raise on seeded random ops that no scoped layer issued, naming ``frame``'s region."""
 
-    def __init__(self, frame: Frame | None = None) -> None:
+    def __init__(self, frame: Frame) -> None:
         super().__init__()
         self._frame = frame
 
@@ -97,8 +86,7 @@ class _UnscopedRandomDetector(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         if not _SCOPED_DRAW.get() and draws_random_numbers(func, args, kwargs):
-            frame = self._frame
-            region = "a checkpoint region" if frame is None else frame_region_name(frame)
+            region = frame_region_name(self._frame)
             if _explicit_generator(bound_arguments(func, args, kwargs)):
                 raise ScopedCkptError(
                     f"scopedckpt: strict mode found {func} on its own generator in "
@@ -123,12 +111,6 @@ class _UnscopedRandomDetector(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def unscoped_random_detector() -> TorchDispatchMode:
-    """A fresh dispatch mode that raises on unscoped random ops."""
-    return _UnscopedRandomDetector()
-
-
-# The phases of the frames enter_frame acts in.
 FRAME_PHASES = frozenset({FORWARD})
 
 

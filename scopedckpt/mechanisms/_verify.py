@@ -45,12 +45,11 @@ bit, without keeping copies of the activations:
   and the likely causes. How many: a fingerprint also keeps ``SAMPLE`` (64)
   values of the tensor at evenly spaced positions (all of a smaller one), taken
   when it is saved (again when the first forward ends if it was written since),
-  and the message counts and measures the
-  differences among them: exact for tensors of at most 64 elements, an estimate
-  from the sample for larger ones (none differing there means fewer than about 1
-  in 64 do). Exact counts of a large tensor need the first forward's values,
-  which are not kept: the message says how to get them (train the step once
-  without checkpointing and compare,
+  and the message counts and measures the differences among them: exact for
+  tensors of at most 64 elements, an estimate from the sample for larger ones
+  (none differing there means fewer than about 1 in 64 do). Exact counts of a
+  large tensor need the first forward's values, which are not kept: the message
+  says how to get them (train the step once without checkpointing and compare,
   ``scopedckpt.testing.assert_checkpoint_equivalent``).
 * Compiled regions are torch's checkpoint operator, whose recompute is part
   of the compiled backward: nothing there is verified, and ``"bitwise"`` in
@@ -72,14 +71,13 @@ from torch import Tensor
 
 from ..core._errors import ScopedCkptError
 from ..core._options import BITWISE
+from ..core._own_ops import internal
 from ..core._state import FORWARD, FRAME, Frame, RegionCall, Tape, region_name
 from ..core._torch_private import NormBase, recompute_whole, register_determinism_check, version_of
 from ._bits import differences, sample, sums
 from ._report import RegionStats, stats_of
-from ._selective import internal, saves
 
 __all__ = [
-    "BITWISE",
     "FRAME_PHASES",
     "Fingerprint",
     "Verifying",
@@ -170,11 +168,7 @@ def _finish(frame: Frame, *exc: object) -> None:
     # graph, and holding the inputs would keep each one past its region's backward.
     verifying.call = verifying.call.without_arguments()
     pending, verifying.pending = verifying.pending, []
-    if not saves(frame.tape):
-        for print_ in pending:
-            print_.take()
-        return
-    with internal():
+    with internal():  # not op calls of the region's (NOTE [ selective saving ])
         for print_ in pending:
             print_.take()
 
@@ -233,7 +227,9 @@ class Fingerprint:
         self.later: Tensor | None = None  # when the first forward ended, if written since
         first = plain and region is not None
         node = x.grad_fn if first else None  # the autograd node that made the tensor
-        self.op = "" if node is None else _op_name(node)
+        self.op = (
+            "" if node is None else type(node).__name__.removesuffix("0").removesuffix("Backward")
+        )
         self.sample: Tensor | None = sample(x) if first else None  # a first forward's
         # A first forward's, looked at again when it ends (take): held weakly, so that a
         # verified call frees what an unverified one frees, but for a tensor an op writes
@@ -286,10 +282,6 @@ class Fingerprint:
             raise ScopedCkptError(self._message(other, values))
         return same
 
-    def __ne__(self, other: object) -> bool:
-        equal = self.__eq__(other)
-        return NotImplemented if equal is NotImplemented else not equal
-
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
@@ -336,10 +328,6 @@ class Fingerprint:
         )
 
 
-def _op_name(node: object) -> str:
-    return type(node).__name__.removesuffix("0").removesuffix("Backward")
-
-
 def fingerprint(x: Tensor) -> Fingerprint:
     """torch's ``metadata_fn`` for ``determinism_check="bitwise"``: a :class:`Fingerprint`
     of ``x`` now, completed when a verified region's first forward ends."""
@@ -357,11 +345,8 @@ def fingerprint(x: Tensor) -> Fingerprint:
 
         late_write_found(verifying.call.module, verifying.call.fn)
     hold = rrelu is not None  # NOTE [ late writes ]: written after saved, then freed
-    if not saves(frame.tape):
+    with internal():  # not op calls of the region's (NOTE [ selective saving ])
         print_ = Fingerprint(x, verifying, verifying.saved, source, hold)
-    else:
-        with internal():  # no op calls of the region's (NOTE [ selective saving ])
-            print_ = Fingerprint(x, verifying, verifying.saved, source, hold)
     verifying.saved += 1
     verifying.pending.append(print_)
     return print_

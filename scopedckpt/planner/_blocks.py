@@ -50,11 +50,10 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
             "plan(model, x, budget=..., blocks=model.layers)."
         )
 
-    def rank(item: tuple[type, list[nn.Module]]) -> tuple[int, int]:
-        _, members = item
+    def rank(members: list[nn.Module]) -> tuple[int, int]:
         return len(members), sum(p.numel() for m in members for p in m.parameters())
 
-    _, members = max(by_class.items(), key=rank)
+    members = max(by_class.values(), key=rank)
     inner = {id(sub) for m in members for sub in m.modules() if sub is not m}
     return [(names[id(m)], m) for m in members if id(m) not in inner]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["check_budget", "format_bytes", "parse_budget"]
+__all__ = ["format_bytes", "parse_budget"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -24,9 +24,7 @@ def parse_budget(budget: int | float | str, no_checkpoint_peak: int) -> int:
     >>> parse_budget("1.5KiB", 0), parse_budget(0.5, 4096), parse_budget(100, 0)
     (1536, 2048, 100)
     """
-    if isinstance(budget, bool):
-        raise TypeError("scopedckpt: plan(budget=...) must be an int, a float or a str, got bool.")
-    if isinstance(budget, int):
+    if isinstance(budget, int) and not isinstance(budget, bool):
         if budget <= 0:
             raise ValueError(f"scopedckpt: plan(budget={budget}) must be positive bytes.")
         return budget
@@ -55,22 +53,6 @@ def parse_budget(budget: int | float | str, no_checkpoint_peak: int) -> int:
         f"scopedckpt: plan(budget=...) must be an int, a float or a str, got "
         f"{type(budget).__name__}."
     )
-
-
-def check_budget(budget: int | float | str) -> None:
-    """Raise what :func:`parse_budget` raises for ``budget``, before the peak it needs is
-    known: ``plan()`` checks its budget before profiling a step.
-
-    Example
-    -------
-    >>> check_budget("3GB")
-    >>> try:
-    ...     check_budget("lots")
-    ... except ValueError as error:
-    ...     print(str(error).split(";")[0])
-    scopedckpt: plan(budget='lots') is not a size
-    """
-    parse_budget(budget, 0)
 
 
 def format_bytes(n: float) -> str:

@@ -39,24 +39,28 @@ import torch
 
 from ..core._torch_private import TorchDispatchMode, op_schema_facts
 
-__all__ = ["OUTSIDE", "LiveBytes", "storages"]
+__all__ = ["OUTSIDE", "LiveBytes", "tensors"]
 
 OUTSIDE = -1  # the tag of storages created outside every block
 
-OpObserver = Callable[[Any, Any, float], None]
-OpWatcher = Callable[[Any, tuple[Any, ...], dict[str, Any]], None]
-FreeWatcher = Callable[[int, int], None]
+
+def tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value``: a tensor, or nested tuples, lists and dicts of them."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors(item)
 
 
 def storages(value: Any) -> Iterator[torch.UntypedStorage]:
-    """The storages of the dense tensors in an op's output (a tensor, or nested
-    tuples and lists of them)."""
-    if isinstance(value, torch.Tensor):
-        if value.layout is torch.strided and value.device.type != "meta":
-            yield value.untyped_storage()
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from storages(item)
+    """The storages of the dense tensors in ``value`` (an op's output: :func:`tensors`)."""
+    for tensor in tensors(value):
+        if tensor.layout is torch.strided and tensor.device.type != "meta":
+            yield tensor.untyped_storage()
 
 
 class LiveBytes(TorchDispatchMode):
@@ -85,9 +89,9 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(
         self,
-        observe: OpObserver | None = None,
-        before: OpWatcher | None = None,
-        freed: FreeWatcher | None = None,
+        observe: Callable[[Any, Any, float], None] | None = None,
+        before: Callable[[Any, tuple[Any, ...], dict[str, Any]], None] | None = None,
+        freed: Callable[[int, int], None] | None = None,
     ) -> None:
         super().__init__()
         self.live = 0
@@ -108,20 +112,13 @@ class LiveBytes(TorchDispatchMode):
         """Start a new peak from the bytes live now."""
         self.peak = self.live
 
-    def tag_of(self, storage: torch.UntypedStorage) -> int | None:
-        """The creator of a counted storage, or None if it is not counted."""
-        entry = self._counted.get(id(storage))
-        return None if entry is None else entry[2]
-
-    def bytes_of(self, storage: torch.UntypedStorage) -> int:
-        """The bytes counted for a storage (0 if it is not counted)."""
-        entry = self._counted.get(id(storage))
-        return 0 if entry is None else entry[1]
-
-    def serial_of(self, storage: torch.UntypedStorage) -> int | None:
-        """A number no other counted storage had or will have (ids are reused)."""
-        entry = self._counted.get(id(storage))
-        return None if entry is None else entry[3]
+    def counted(self, value: Any) -> Iterator[tuple[int, int, int]]:
+        """(bytes, creator's tag, serial) of each counted storage of ``value``; a serial is
+        a number no other counted storage had or will have (ids are reused)."""
+        for storage in storages(value):
+            entry = self._counted.get(id(storage))
+            if entry is not None:
+                yield entry[1:]
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -137,8 +134,7 @@ class LiveBytes(TorchDispatchMode):
         if aliasing is None:
             aliasing = self._aliasing[func] = op_schema_facts(func)[1]
         for storage in storages(out):
-            # A view or an in-place result is its argument's storage: nothing new, but a
-            # counted one may have grown (out= ops, resize_).
+            # A view or an in-place result is its argument's storage: nothing new.
             self._count(storage, new=not aliasing)
         if self.observe is not None:
             self.observe(func, out, seconds)
@@ -152,11 +148,10 @@ class LiveBytes(TorchDispatchMode):
             if entry is None and not new:
                 return
             if entry is not None:
-                grown = nbytes - entry[1]  # resized in place (out= ops, resize_)
+                grown, tag = nbytes - entry[1], entry[2]  # resized in place (out= ops, resize_)
                 if grown <= 0:
                     return
-                self._counted[key] = (entry[0], nbytes, entry[2], entry[3])
-                tag = entry[2]
+                self._counted[key] = (entry[0], nbytes, tag, entry[3])
             else:
                 grown, tag = nbytes, self.tag
                 ref = weakref.ref(storage, self._freed_callback(key))

@@ -21,13 +21,23 @@ from torch import nn
 from ..core._errors import ScopedCkptError
 from ..core._names import article
 from ._blocks import candidates
-from ._budget import check_budget, format_bytes, parse_budget
+from ._budget import format_bytes, parse_budget
 from ._profile import PRESETS, Profile, default_loss, profile_step
 from ._solve import solve
 
 __all__ = ["Plan", "PlannedBlock", "choose", "format_table", "plan"]
 
 _FORMAT = 1  # the version of Plan.to_json's format
+# The Plan fields to_json stores as they are, each with the type from_json reads it as.
+_STORED: dict[str, Callable[[Any], Any]] = {
+    "budget": int,
+    "peak": int,
+    "no_checkpoint_peak": int,
+    "smallest_budget": int,
+    "step_seconds": float,
+    "added_seconds": float,
+    "optimal": bool,
+}
 
 
 @dataclass(frozen=True)
@@ -107,30 +117,20 @@ class Plan:
 
     def to_json(self) -> str:
         """The plan as JSON, to store and reuse with :meth:`from_json`."""
-        return json.dumps(
+        blocks = [
             {
-                "scopedckpt_plan": _FORMAT,
-                "torch": torch.__version__,
-                "budget": self.budget,
-                "peak": self.peak,
-                "no_checkpoint_peak": self.no_checkpoint_peak,
-                "smallest_budget": self.smallest_budget,
-                "step_seconds": self.step_seconds,
-                "added_seconds": self.added_seconds,
-                "optimal": self.optimal,
-                "unused": list(self.unused),
-                "blocks": [
-                    {
-                        "name": b.name,
-                        "class": b.kind,
-                        "choice": b.choice,
-                        "kept_bytes": b.kept_bytes,
-                        "recompute_seconds": b.recompute_seconds,
-                    }
-                    for b in self.blocks
-                ],
-            },
-            indent=1,
+                "name": b.name,
+                "class": b.kind,
+                "choice": b.choice,
+                "kept_bytes": b.kept_bytes,
+                "recompute_seconds": b.recompute_seconds,
+            }
+            for b in self.blocks
+        ]
+        head = {"scopedckpt_plan": _FORMAT, "torch": torch.__version__}
+        stored = {name: getattr(self, name) for name in _STORED}
+        return json.dumps(
+            {**head, **stored, "unused": list(self.unused), "blocks": blocks}, indent=1
         )
 
     def bind(self, model: nn.Module) -> Plan:
@@ -167,29 +167,10 @@ class Plan:
                     f"scopedckpt: the plan's block {name!r} has an unknown choice "
                     f"{entry['choice']!r}."
                 )
-            blocks.append(
-                PlannedBlock(
-                    name,
-                    kind,
-                    entry["choice"],
-                    int(entry["kept_bytes"]),
-                    float(entry["recompute_seconds"]),
-                    module,
-                )
-            )
-        return cls(
-            tuple(blocks),
-            int(data["budget"]),
-            int(data["peak"]),
-            int(data["no_checkpoint_peak"]),
-            int(data["smallest_budget"]),
-            float(data["step_seconds"]),
-            float(data["added_seconds"]),
-            bool(data["optimal"]),
-            tuple(data.get("unused", ())),
-            0.0,
-            model,
-        )
+            kept, seconds = int(entry["kept_bytes"]), float(entry["recompute_seconds"])
+            blocks.append(PlannedBlock(name, kind, entry["choice"], kept, seconds, module))
+        stored = {name: read(data[name]) for name, read in _STORED.items()}
+        return cls(tuple(blocks), **stored, unused=tuple(data.get("unused", ())), model=model)
 
 
 def plan(
@@ -273,22 +254,20 @@ def _check_arguments(model: Any, budget: Any, loss_fn: Any, example_kwargs: Any)
             f"scopedckpt: plan() takes the model first, an nn.Module, and got "
             f"{type(model).__name__}. Pass plan(model, *example_inputs, budget=...)."
         )
-    check_budget(budget)
+    parse_budget(budget, 0)  # raises for a bad budget before any step runs
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(
             f"scopedckpt: plan(loss_fn=...) must be a function from the model's output to "
             f"the loss, or None, and got {type(loss_fn).__name__}. Pass e.g. "
             "loss_fn=lambda out: out.loss."
         )
-    if example_kwargs is None:
-        return
-    if not isinstance(example_kwargs, Mapping):
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
         raise TypeError(
             f"scopedckpt: plan(example_kwargs=...) must be a mapping from keyword names to "
             f"the step's keyword inputs, or None, and got {type(example_kwargs).__name__}. "
             "Pass e.g. example_kwargs={'labels': labels}."
         )
-    for key in example_kwargs:
+    for key in example_kwargs or ():
         if not isinstance(key, str):
             raise TypeError(
                 f"scopedckpt: plan(example_kwargs=...) has the key {key!r}, which is not a "
@@ -311,21 +290,13 @@ def choose(profile: Profile, budget: int, model: nn.Module | None) -> Plan:
             f"budget={smallest.peak} or more, smaller inputs, or finer blocks= (blocks "
             f"that each keep less).{_one_sequential_hint(profile)}"
         )
-    planned = []
-    for block, choice in zip(profile.blocks, solution.choices):
-        option = block.choices[choice]
-        planned.append(
-            PlannedBlock(
-                block.name,
-                type(block.module).__name__,
-                option.name,
-                option.kept,
-                option.seconds,
-                block.module,
-            )
-        )
+    chosen = [(b, b.choices[c]) for b, c in zip(profile.blocks, solution.choices)]
+    planned = tuple(
+        PlannedBlock(b.name, type(b.module).__name__, o.name, o.kept, o.seconds, b.module)
+        for b, o in chosen
+    )
     return Plan(
-        tuple(planned),
+        planned,
         budget,
         solution.peak,
         profile.peak,
@@ -356,25 +327,15 @@ def _one_sequential_hint(profile: Profile) -> str:
 def format_table(plan: Plan) -> str:
     """The plan as a table per block, with totals, the predicted peak and step time."""
     header = ("block", "class", "choice", "kept", "recompute")
-    rows = [
-        (
-            b.name,
-            b.kind,
-            b.choice,
-            format_bytes(b.kept_bytes),
-            f"{b.recompute_seconds * 1e3:.2f} ms",
-        )
-        for b in plan.blocks
-    ]
+
+    def row(name: str, kind: str, choice: str, kept: int, seconds: float) -> tuple[str, ...]:
+        return (name, kind, choice, format_bytes(kept), f"{seconds * 1e3:.2f} ms")
+
+    rows = [row(b.name, b.kind, b.choice, b.kept_bytes, b.recompute_seconds) for b in plan.blocks]
     regions = sum(b.choice != "none" for b in plan.blocks)
+    kept = sum(b.kept_bytes for b in plan.blocks)
     rows.append(
-        (
-            "total",
-            "",
-            f"{regions} region{'s' * (regions != 1)}",
-            format_bytes(sum(b.kept_bytes for b in plan.blocks)),
-            f"{plan.added_seconds * 1e3:.2f} ms",
-        )
+        row("total", "", f"{regions} region{'s' * (regions != 1)}", kept, plan.added_seconds)
     )
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 

@@ -43,8 +43,9 @@ a region and selective saving's dispatch mode cost besides.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -52,11 +53,12 @@ from torch import nn
 
 from .. import policies
 from ..core._errors import ScopedCkptError
-from ..core._policy import SavePolicy, as_policy
+from ..core._policy import as_policy
 from ..core._sampling import suspended
 from ..core._scope import checkpointing
 from ..mechanisms._report import memory_report
-from ._live import OUTSIDE, LiveBytes, storages
+from ._live import OUTSIDE, LiveBytes, tensors
+from ._solve import Choice
 from ._step_times import region_costs, synchronize
 from ._untouched import Untouched
 
@@ -69,18 +71,6 @@ PRESETS: dict[str, tuple[Any, ...]] = {
     "compute": policies.save_compute,
 }
 """The ``save=`` presets a plan may give a block, by the name plans print and store."""
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One way to run a block: what it keeps, what it costs, when its recompute peaks."""
-
-    name: str  # "none", "full" or a key of PRESETS
-    kept: int  # bytes kept from the block's forward to its backward
-    seconds: float  # time added to a step
-    # Bytes live at the recompute's peak besides what settled blocks keep (NOTE
-    # [ peak model ]); None for no region.
-    recompute: int | None
 
 
 @dataclass(frozen=True)
@@ -110,7 +100,7 @@ def default_loss(output: Any) -> torch.Tensor:
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
-    for tensor in _tensors(output):
+    for tensor in tensors(output):
         if tensor.is_floating_point() and tensor.requires_grad:
             return tensor.sum()
     raise ScopedCkptError(
@@ -118,17 +108,6 @@ def default_loss(output: Any) -> torch.Tensor:
         f"model's output ({type(output).__name__}) to take as the loss. Pass loss_fn=, a "
         "function from the output to the scalar your training step calls backward() on."
     )
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
 
 
 class _Instrumented:
@@ -152,12 +131,9 @@ class _Instrumented:
         self.backward_block: int | None = None  # the block whose backward runs
         self.backward_peak: dict[int, int] = {}  # its most bytes live, recompute included
         self.ops: dict[int, int] = {}
-        self.op_seconds: dict[int, float] = {}
-        self.presets: dict[str, SavePolicy] = {}
-        for name, items in PRESETS.items() if presets else ():
-            policy = as_policy(items)
-            if policy is not None:  # None: an empty preset (no fused attention kernels)
-                self.presets[name] = policy
+        made = {name: as_policy(items) for name, items in PRESETS.items()} if presets else {}
+        # as_policy gives None for an empty preset (no fused attention kernels).
+        self.presets = {name: policy for name, policy in made.items() if policy is not None}
         self.selecting: dict[Any, tuple[str, ...]] = {}  # op -> the presets selecting it
         self.preset_seconds: dict[tuple[str, int], float] = {}
         self.preset_kept: dict[tuple[str, int], dict[int, int]] = {}
@@ -182,7 +158,6 @@ class _Instrumented:
         if k == OUTSIDE:
             return
         self.ops[k] = self.ops.get(k, 0) + 1
-        self.op_seconds[k] = self.op_seconds.get(k, 0.0) + seconds
         if not self.presets:
             return
         selecting = self.selecting.get(func)
@@ -194,10 +169,9 @@ class _Instrumented:
             key = (name, k)
             self.preset_seconds[key] = self.preset_seconds.get(key, 0.0) + seconds
             kept = self.preset_kept.setdefault(key, {})
-            for storage in storages(out):
-                serial = self.counter.serial_of(storage)
-                if serial is not None and serial not in kept:
-                    kept[serial] = nbytes = self.counter.bytes_of(storage)
+            for nbytes, _, serial in self.counter.counted(out):
+                if serial not in kept:
+                    kept[serial] = nbytes
                     self.selected_alive[name] = self.selected_alive.get(name, 0) + nbytes
                     self.selected_by.setdefault(serial, []).append(name)
         grown = self.counter.live - self.start
@@ -240,11 +214,10 @@ class _Instrumented:
         counter = self.counter
         self.growth[k] = counter.peak - self.start
         out = self.out.setdefault(k, {})
-        for tensor in _tensors(output):
-            for storage in storages(tensor):
-                serial = counter.serial_of(storage)
-                if serial is not None and counter.tag_of(storage) == k:
-                    out[serial] = counter.bytes_of(storage)
+        for tensor in tensors(output):
+            for nbytes, tag, serial in counter.counted(tensor):
+                if tag == k:
+                    out[serial] = nbytes
             if tensor.requires_grad:
                 tensor.register_hook(self._backward_hook(k))
         counter.tag = OUTSIDE
@@ -271,9 +244,9 @@ def profile_step(
     block a full region, leaving no trace (NOTE [ leaving no trace ]), and return what
     the planner needs (NOTE [ peak model ], NOTE [ timing regions ])."""
     began = time.perf_counter()
-    inputs = tuple(_tensors((args, kwargs)))
+    inputs = tuple(tensors((args, kwargs)))
 
-    def step(tally: _Instrumented, scope: Any) -> tuple[dict[int, int], float]:
+    def step(tally: _Instrumented, scope: Any) -> tuple[list[int], float]:
         handles = []
         for _, module in tally.blocks:
             handles.append(module.register_forward_pre_hook(tally.pre))
@@ -284,7 +257,7 @@ def profile_step(
             with tally.counter:
                 with scope, torch.enable_grad():
                     loss = loss_fn(model(*args, **kwargs))
-                kept = {k: tally.counter.by_tag.get(k, 0) for k in range(len(tally.order))}
+                kept = [tally.counter.by_tag.get(k, 0) for k in range(len(tally.order))]
                 loss.backward()
                 del loss
                 tally.close(tally.m)
@@ -295,7 +268,7 @@ def profile_step(
                 handle.remove()
             untouched.clear_grads()
 
-    device = _device_of(model)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     with Untouched(model, inputs) as untouched:
         tally = _Instrumented(blocks, untouched, presets=True)
         kept, plain_seconds = step(tally, checkpointing(enabled=False))
@@ -310,13 +283,11 @@ def profile_step(
             )
         overhead, per_op, counting = region_costs(device)
     recompute = {row["region"]: row["recompute_seconds"] for row in report.rows}
-    n = len(tally.order)
-    settled, settled_full = [0], [0]
-    for k in range(n):
-        settled.append(settled[-1] + kept[k])
-        settled_full.append(settled_full[-1] + kept_full[k])
+    settled = list(accumulate(kept, initial=0))  # what the blocks before m keep
+    settled_full = list(accumulate(kept_full, initial=0))
     floors = tuple(
-        tally.segments[m] - settled[m] if m in tally.segments else None for m in range(n + 1)
+        tally.segments[m] - below if m in tally.segments else None
+        for m, below in enumerate(settled)
     )
     profiled = []
     for k, i in enumerate(tally.order):
@@ -355,9 +326,3 @@ def profile_step(
         unused,
         time.perf_counter() - began,
     )
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")

@@ -26,24 +26,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-__all__ = ["Option", "Solution", "peak_of", "solve"]
+__all__ = ["Choice", "Solution", "peak_of", "solve"]
 
 
-class Option(Protocol):
-    """One way to run a block (``_profile.Choice`` is one)."""
+@dataclass(frozen=True)
+class Choice:
+    """One way to run a block: what it keeps, what it costs, when its recompute peaks."""
 
-    @property
-    def kept(self) -> int: ...
-
-    @property
-    def seconds(self) -> float: ...
-
-    @property
-    def recompute(self) -> int | None: ...
+    name: str  # "none", "full" or a key of _profile.PRESETS
+    kept: int  # bytes kept from the block's forward to its backward
+    seconds: float  # time added to a step
+    # Bytes live at the recompute's peak besides what settled blocks keep (NOTE
+    # [ peak model ]); None for no region.
+    recompute: int | None
 
 
 @dataclass(frozen=True)
@@ -57,13 +55,12 @@ class Solution:
 
 
 def peak_of(
-    floors: Sequence[int | None], options: Sequence[Sequence[Option]], choices: Sequence[int]
+    floors: Sequence[int | None], options: Sequence[Sequence[Choice]], choices: Sequence[int]
 ) -> int:
     """The predicted peak of one plan (NOTE [ peak model ]).
 
     Example
     -------
-    >>> from scopedckpt.planner._profile import Choice
     >>> none, full = Choice("none", 100, 0.0, None), Choice("full", 10, 1.0, 150)
     >>> peak_of([5, 20, 20], [[none, full], [none, full]], [0, 1])
     260
@@ -103,7 +100,7 @@ def _front(prefix: torch.Tensor, value: torch.Tensor, cap: int) -> tuple[torch.T
 
 def solve(
     floors: Sequence[int | None],
-    options: Sequence[Sequence[Option]],
+    options: Sequence[Sequence[Choice]],
     budget: float,
     *,
     minimize: str = "seconds",
@@ -121,14 +118,13 @@ def solve(
         Bytes; ``float("inf")`` for none.
     minimize
         ``"seconds"``: the fastest plan; ``"peak"``: the plan with the smallest peak
-        (the smallest feasible budget), the fastest among those.
+        (the smallest feasible budget).
     cap
         The most states kept after each block (see NOTE [ planning as a dynamic
         program ]).
 
     Example
     -------
-    >>> from scopedckpt.planner._profile import Choice
     >>> none, full = Choice("none", 100, 0.0, None), Choice("full", 10, 1.0, 150)
     >>> solve([5, 20, 20], [[none, full], [none, full]], budget=200).choices
     (1, 0)
@@ -148,11 +144,8 @@ def solve(
     thinned = False
     for i, block in enumerate(options):
         floor = floors[i + 1]
-        grown_prefix: list[torch.Tensor] = []
-        grown_seconds: list[torch.Tensor] = []
-        grown_peak: list[torch.Tensor] = []
-        parent: list[torch.Tensor] = []
-        pick: list[torch.Tensor] = []
+        # Per option, the states it leaves feasible: prefix, seconds, peak, parent, pick.
+        grown: list[tuple[torch.Tensor, ...]] = []
         states = torch.arange(prefix.numel())
         for c, option in enumerate(block):
             p = prefix + option.kept
@@ -162,31 +155,20 @@ def solve(
             if floor is not None:
                 q = torch.maximum(q, p + floor)
             ok = q <= budget
-            grown_prefix.append(p[ok])
-            grown_seconds.append(seconds[ok] + option.seconds)
-            grown_peak.append(q[ok])
-            parent.append(states[ok])
-            pick.append(torch.full((int(ok.sum()),), c, dtype=torch.int64))
-        prefix, seconds, peak = (
-            torch.cat(grown_prefix),
-            torch.cat(grown_seconds),
-            torch.cat(grown_peak),
-        )
+            pick = torch.full((int(ok.sum()),), c, dtype=torch.int64)
+            grown.append((p[ok], seconds[ok] + option.seconds, q[ok], states[ok], pick))
+        prefix, seconds, peak, parent, pick = (torch.cat(parts) for parts in zip(*grown))
         if prefix.numel() == 0:
             return None
         objective = seconds if minimize == "seconds" else peak.double()
         kept, thin = _front(prefix, objective, cap)
         thinned |= thin
         prefix, seconds, peak = prefix[kept], seconds[kept], peak[kept]
-        parents.append(torch.cat(parent)[kept])
-        picks.append(torch.cat(pick)[kept])
-    if minimize == "seconds":
-        best = int(torch.argmin(seconds))
-    else:
-        lowest = peak == peak.min()
-        best = int(torch.nonzero(lowest)[torch.argmin(seconds[lowest])])
+        parents.append(parent[kept])
+        picks.append(pick[kept])
+    # The front's objective falls strictly along it (_front): its last state is the best.
+    best = state = prefix.numel() - 1
     chosen = []
-    state = best
     for parents_of, picks_of in zip(reversed(parents), reversed(picks)):
         chosen.append(int(picks_of[state]))
         state = int(parents_of[state])

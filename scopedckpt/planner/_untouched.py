@@ -64,16 +64,9 @@ class Untouched:
         self._slots: list[tuple[dict[str, Any], str, Any]] = []
         self._versions: dict[int, tuple[torch.Tensor, int, str]] = {}
         self._clones: dict[int, torch.Tensor] = {}
-        self._leaves: list[torch.Tensor] = []  # parameters, and inputs that take grads
-        self._grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self._parameter_storages: dict[int, tuple[torch.Tensor, str]] = {}
+        self._parameter_storages: dict[int, torch.Tensor] = {}  # by id of their storage
         self._generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
-        self._rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
         self._written: dict[Any, tuple[tuple[int, str, bool], ...]] = {}  # by op
-        # every module's __dict__ and a shallow copy of it; Python's and NumPy's RNG states
-        self._attributes: list[tuple[dict[str, Any], dict[str, Any]]] = []
-        self._python: Any = None
-        self._numpy: Any = None
 
     def __enter__(self) -> Untouched:
         for prefix, module in self.model.named_modules(remove_duplicate=True):
@@ -90,9 +83,8 @@ class Untouched:
                     if kind == "buffer":
                         self._clones[id(tensor)] = tensor.detach().clone()
                     else:
-                        key = id(tensor.untyped_storage())
-                        self._parameter_storages[key] = (tensor, qualified)
-        self._leaves = [*self.model.parameters()]
+                        self._parameter_storages[id(tensor.untyped_storage())] = tensor
+        self._leaves: list[torch.Tensor] = [*self.model.parameters()]  # + inputs taking grads
         self._leaves += [t for t in self.inputs if t.is_leaf and t.requires_grad]
         self._grads = [(tensor, tensor.grad) for tensor in self._leaves]
         self.clear_grads()
@@ -122,9 +114,9 @@ class Untouched:
             value = kwargs.get(name) if keyword or index >= len(args) else args[index]
             if not isinstance(value, torch.Tensor):
                 continue
-            entry = self._parameter_storages.get(id(value.untyped_storage()))
-            if entry is not None and id(entry[0]) not in self._clones:
-                self._clones[id(entry[0])] = entry[0].detach().clone()
+            parameter = self._parameter_storages.get(id(value.untyped_storage()))
+            if parameter is not None and id(parameter) not in self._clones:
+                self._clones[id(parameter)] = parameter.detach().clone()
 
     def __exit__(
         self,
@@ -158,7 +150,6 @@ class Untouched:
         random.setstate(self._python)
         if self._numpy is not None:
             self._numpy[0].set_state(self._numpy[1])
-        assert self._rng is not None
         torch.set_rng_state(self._rng[0])
         if self._rng[1] is not None:
             torch.cuda.set_rng_state_all(self._rng[1])

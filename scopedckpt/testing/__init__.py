@@ -14,7 +14,7 @@ import copy
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +27,7 @@ from ..planner._plan import Plan
 __all__ = ["assert_checkpoint_equivalent", "default_loss"]
 
 BackwardMode = Literal["backward", "retain_graph", "grad_then_backward", "none"]
-_BACKWARD_MODES = ("backward", "retain_graph", "grad_then_backward", "none")
+_BACKWARD_MODES = get_args(BackwardMode)
 
 
 def _tensors(value: Any, prefix: str) -> Iterator[tuple[str, Tensor]]:
@@ -133,11 +133,8 @@ def _run(
             )
             for _, p in params:
                 p.grad = None
-            if scope is None:
+            with contextlib.nullcontext() if scope is None else scope(model):
                 output = model(*leaves)
-            else:
-                with scope(model):
-                    output = model(*leaves)
             loss = loss_fn(output)
             for name, t in _tensors(output, "output"):
                 snap.add(f"{tag} {name}", t)
@@ -265,14 +262,11 @@ def assert_checkpoint_equivalent(
     def scope(copy_of_model: nn.Module) -> checkpointing:
         policy = None if save is None else _retarget(save, model, copy_of_model)
         if targets is None:
-            children = tuple(copy_of_model.children()) or (copy_of_model,)
-            return checkpointing(*children, save=policy, determinism_check=determinism_check)
-        return checkpointing(
-            *_retarget(targets, model, copy_of_model),
-            root=copy_of_model,
-            save=policy,
-            determinism_check=determinism_check,
-        )
+            chosen: list[Any] = list(copy_of_model.children()) or [copy_of_model]
+        else:
+            chosen = _retarget(targets, model, copy_of_model)
+        root = None if targets is None else copy_of_model
+        return checkpointing(*chosen, root=root, save=policy, determinism_check=determinism_check)
 
     plain = _run(plain_model, example_inputs, loss, None, steps, seed, backward, lr)
     before = COUNTERS.regions

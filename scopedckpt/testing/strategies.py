@@ -34,8 +34,6 @@ except ImportError as error:  # pragma: no cover - exercised only without hypoth
 
 __all__ = ["batches", "regions", "seeds", "tensors"]
 
-_SEED_MAX = 2**32 - 1
-
 
 def seeds() -> st.SearchStrategy[int]:
     """Seeds for ``torch.manual_seed`` and :func:`assert_checkpoint_equivalent`.
@@ -47,7 +45,7 @@ def seeds() -> st.SearchStrategy[int]:
     >>> 0 <= find(seeds(), lambda s: s > 10) < 2**32
     True
     """
-    return st.integers(0, _SEED_MAX)
+    return st.integers(0, 2**32 - 1)
 
 
 def tensors(
