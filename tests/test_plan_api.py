@@ -51,22 +51,11 @@ def _planned(budget: float | str) -> tuple[BlockModel, torch.Tensor, scopedckpt.
     return model, x, plan
 
 
-# Issue 41, not met yet: a verified step (each site's first call, and sampled ones) keeps
-# what the peak model does not count.
-_VERIFIED_STEP_OVER_BUDGET = (
-    "a verified region keeps what the plan does not count: its fingerprints (64 values and "
-    "two sums per saved tensor; 5.5 KiB over the smallest budget here) and, in a process's "
-    "first verified step, the fingerprints' cached positions and weights (10.5 KiB more)"
-)
-
-
 @pytest.mark.parametrize(
     "budget",
     [
         0.5,
-        pytest.param(
-            "smallest", marks=pytest.mark.xfail(strict=True, reason=_VERIFIED_STEP_OVER_BUDGET)
-        ),
+        "smallest",
     ],
 )
 def test_measured_peak_under_a_plan_is_within_its_budget_from_the_first_step(
@@ -93,7 +82,6 @@ def test_the_first_step_after_planning_is_verified() -> None:
     assert all(row["verified"] > 0 for row in report.rows), str(report)
 
 
-@pytest.mark.xfail(strict=True, reason=_VERIFIED_STEP_OVER_BUDGET)
 def test_a_verified_step_under_a_plan_is_within_its_budget() -> None:
     """What sampled verification's first call of each site does, every step here. At the
     smallest budget the plan is the one of least peak, whatever the timings."""

@@ -4,7 +4,6 @@ values, and how two samples differ, in words (NOTE [ bitwise verification ] in
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -18,9 +17,10 @@ _INTEGERS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 SAMPLE = 64
 
 
-@functools.lru_cache(maxsize=256)
 def _positions(shape: tuple[int, ...], device: torch.device) -> tuple[Tensor, ...]:
-    """The indices of ``SAMPLE`` evenly spaced elements of a tensor of ``shape``."""
+    """The indices of ``SAMPLE`` evenly spaced elements of a tensor of ``shape``: made at
+    each call and freed with the sample (a cache would hold them past the step, where a
+    plan's budget does not count them)."""
     flat = torch.linspace(0, math.prod(shape) - 1, SAMPLE, device=device).round().long()
     return torch.unravel_index(flat, shape)
 
@@ -69,12 +69,6 @@ def differences(first: Tensor | None, recomputed: Tensor | None, numel: int) -> 
     return f"{counted}, by up to {largest:.6g}; the first at flat index {first_at}. "
 
 
-@functools.lru_cache(maxsize=64)
-def _weights(n: int, device: torch.device) -> Tensor:
-    """Ones, and the row indices from 1: the two sums as one matrix-vector product."""
-    return torch.stack([torch.ones(n, dtype=torch.int64), torch.arange(1, n + 1)]).to(device)
-
-
 def sums(x: Tensor) -> Tensor:
     """The two int64 sums of NOTE [ bitwise verification ]."""
     x = x.detach()
@@ -88,4 +82,6 @@ def sums(x: Tensor) -> Tensor:
     # still changes its row's sum.
     accumulate = torch.int64 if bits.element_size() == 8 else torch.int32
     rows = bits.sum(dim=-1, dtype=accumulate).reshape(-1).to(torch.int64)
-    return torch.mv(_weights(rows.numel(), rows.device), rows)
+    # The row-weighted sum, sum over i of i * rows[i] (i from 1), as the sum of the suffix
+    # sums: the same int64 value modulo 2**64, with no weights kept between calls.
+    return torch.stack([rows.sum(), rows.flip(0).cumsum(0).sum()])

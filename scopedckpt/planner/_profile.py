@@ -26,7 +26,8 @@ what its recompute rebuilds on top. That moment is measured, not modelled: a
 second counted step makes every block a full region and takes, for each, the
 most bytes live during its backward less what the blocks up to it keep there
 (``rebuild``; what a full region keeps is measured there too: its output, and
-any record the region holds). A ``save=`` preset keeps the outputs of the ops
+any record the region holds, its fingerprints included: that step verifies every
+region bit for bit, as a step does at each site's first call and sampled ones). A ``save=`` preset keeps the outputs of the ops
 it selects besides, and rebuilds that much less of the forward's growth as
 the step without regions saw it, op by op. The model gives the peak without
 regions exactly and the one with every block a full region exactly; mixed
@@ -274,8 +275,11 @@ def profile_step(
         kept, plain_seconds = step(tally, checkpointing(enabled=False))
         ran = [blocks[i] for i in tally.order]
         full = _Instrumented(ran, untouched, presets=False)
+        # Verified bit for bit, as each site's first call and sampled ones are: what a
+        # full region keeps includes its fingerprints, so a verified step fits the plan.
+        regions = checkpointing(*(module for _, module in ran), determinism_check="bitwise")
         with suspended(), memory_report(root=model) as report:
-            kept_full, _ = step(full, checkpointing(*(module for _, module in ran)))
+            kept_full, _ = step(full, regions)
         if full.order != list(range(len(ran))):
             raise ScopedCkptError(
                 "scopedckpt: plan() saw the blocks run in another order in its second step; "

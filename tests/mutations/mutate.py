@@ -869,8 +869,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "verify_fingerprint_blind_to_order",
         "scopedckpt/mechanisms/_bits.py",
-        "    return torch.mv(_weights(rows.numel(), rows.device), rows)",
-        "    return torch.mv(_weights(rows.numel(), rows.device)[:1].expand(2, -1), rows)",
+        "    return torch.stack([rows.sum(), rows.flip(0).cumsum(0).sum()])",
+        "    return torch.stack([rows.sum(), rows.sum()])",
         ("tests/test_verify.py",),
         "a recompute with the forward's values in another order passes verification",
     ),
@@ -1328,6 +1328,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_plan_api.py",),
         "measure_peak returns what is still alive after the step (gradients), far below its "
         "peak: every plan looks within budget",
+    ),
+    Mutant(
+        "plan_profiles_regions_unverified",
+        "scopedckpt/planner/_profile.py",
+        ', determinism_check="bitwise")\n',
+        ")\n",
+        ("tests/test_plan_api.py",),
+        "a step verified bit for bit (each site's first) peaks above the plan's budget",
     ),
     Mutant(
         "plan_checks_the_budget_after_profiling",
