@@ -10,7 +10,8 @@ with unscoped ``F.dropout`` and ``torch.rand_like`` in the blocks, plain and
 compiled training with scopedckpt's
 regions lands where compiled training with torch's checkpoint does, and that a
 ``scopedckpt.plan()`` at half the peak trains exactly and keeps its predicted peak
-(``torch.cuda.max_memory_allocated`` within 10 %), also across the planner's quick
+(``torch.cuda.max_memory_allocated`` within 10 %) and every step, the first (verified)
+included, within its budget, also across the planner's quick
 benchmark (``benchmarks/plan.py``, results in $OUT). It prints
 what it only reports: float16/bfloat16 kept values against torch's fused CUDA
 dropout, and compiled checkpointing against compiled training without it.
@@ -297,6 +298,31 @@ def planned():
     assert abs(measured - plan.peak) <= 0.10 * plan.peak, (measured, plan.peak)
 
 
+def planned_steps_within_budget():
+    """Every step under a plan, from the first after planning (each site's first call,
+    verified bit for bit) on, allocates at most the plan's budget above what was allocated
+    before it (``max_memory_allocated``), and ``scopedckpt.measure_peak`` agrees with it to
+    within the allocator's rounding (512 bytes a tensor)."""
+    m = model(convert=False)
+    x = torch.randn(512, 64, device=dev)
+    loss = lambda y: y.square().mean()  # noqa: E731
+    smallest = scopedckpt.plan(m, x, budget=1.0, blocks=list(m), loss_fn=loss).smallest_budget
+    for budget in (0.5, smallest):
+        plan = scopedckpt.plan(m, x, budget=budget, blocks=list(m), loss_fn=loss)
+        for step in range(4):
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            with scopedckpt.checkpointing(plan):
+                counted = scopedckpt.measure_peak(lambda: loss(m(x)).backward())
+            torch.cuda.synchronize()
+            allocated = torch.cuda.max_memory_allocated() - before
+            m.zero_grad(set_to_none=True)
+            print(f"budget {plan.budget} step {step}: allocated {allocated}, counted {counted}")
+            assert counted <= plan.budget, (step, counted, plan.budget)
+            assert allocated <= plan.budget + 512 * 64, (step, allocated, plan.budget)
+
+
 def plan_benchmark():
     """``python -m benchmarks.plan --quick --device=cuda``: the planner's benchmark with
     ``max_memory_allocated`` peaks; every plan's peak within 10 % of its prediction.
@@ -415,6 +441,9 @@ def main() -> int:
     check("a cuda generator reads as freshly seeded until it draws", refused_only_after_drawing)
     check("compiled on cuda: scopedckpt lands where torch's checkpoint does", compiled)
     check("a plan at half the peak: exact, its peak as predicted", planned)
+    check(
+        "every step under a plan within its budget, the first included", planned_steps_within_budget
+    )
     check("the planner's benchmark on cuda: peaks as predicted", plan_benchmark)
     print("failures", failures)
     return 1 if failures else 0
