@@ -26,7 +26,6 @@ with _warnings.catch_warnings():
 
 # _torch_private refuses a torch older than the oldest tested, whichever import reaches it first.
 from . import functional, integrations, policies
-from .core import _torch_private  # noqa: F401
 from .core._checkpoint import checkpoint, checkpoint_sequential
 from .core._errors import ScopedCkptError
 from .core._replay import is_recomputing, phase, replay

@@ -47,14 +47,6 @@ def saved_activation_bytes(run: Callable[[], object], exclude: Iterable[Tensor] 
     return sum(storages.values())
 
 
-def _model(depth: int, width: int) -> nn.Sequential:
-    blocks = [
-        nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.GELU(), nn.Dropout(0.1))
-        for _ in range(depth)
-    ]
-    return nn.Sequential(*blocks)
-
-
 class _Run(NamedTuple):
     model: nn.Sequential
     grads: list[Tensor]
@@ -67,7 +59,11 @@ def table(depth: int = 8, width: int = 256, batch: int = 512) -> str:
     Deterministic on a given torch: the README shows it verbatim (tests/test_docs.py).
     """
     torch.manual_seed(0)
-    base = _model(depth, width)
+    blocks = [
+        nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.GELU(), nn.Dropout(0.1))
+        for _ in range(depth)
+    ]
+    base = nn.Sequential(*blocks)
     x = torch.randn(batch, width)
 
     def step(*, scoped: bool = False, region: str = "none", rng_stash: bool = True) -> _Run:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -499,6 +500,29 @@ def test_every_recompute_starts_from_the_recorded_state() -> None:
             out.square().sum().backward()
             optimizer.step()
         return [*seen, *block.parameters(), *block.buffers()]
+
+    for a, b in zip(train(True), train(False), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_early_stop_leaves_nested_targets_patched_for_the_next_recompute() -> None:
+    """torch's early stop ends a recompute with an exception that is no failure: the
+    nested target (a batch norm and a scoped dropout, whose mask is on its own tape) stays
+    a region for the second recompute (``retain_graph``). Under a device context (a torch
+    function mode), regions take torch's checkpoint, whose early stop raises."""
+
+    def train(checkpointed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        inner = nn.Sequential(nn.BatchNorm1d(4), scopedckpt.Dropout(0.5))
+        block = nn.Sequential(nn.Linear(4, 4), inner, nn.Linear(4, 4))
+        model = nn.Sequential(block, nn.Linear(4, 1))
+        x = torch.randn(6, 4)
+        scope = scopedckpt.checkpointing(block, block[1]) if checkpointed else nullcontext()
+        with scope, torch.device("cpu"):
+            loss = model(x).square().sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return [*model.buffers(), *(p.grad for p in model.parameters())]
 
     for a, b in zip(train(True), train(False), strict=True):
         assert torch.equal(a, b)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import re
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -100,6 +101,45 @@ def test_stateful_protocol_restores_python_state_around_recomputes() -> None:
     for backward in ("backward", "retain_graph", "grad_then_backward"):
         assert_checkpoint_equivalent(model, torch.randn(3, 4), steps=3, backward=backward)
         assert_checkpoint_equivalent(model, torch.randn(3, 4), targets=[model], steps=2)
+
+
+class CountsInAList(nn.Module):
+    """Counts its calls in a list it owns, changed in place: no attribute changes (the
+    forward's world sees none), so only the protocol can give a recompute the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = [0]
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count[0] += 1
+        return self.lin(x) * self.count[0]
+
+    def scopedckpt_state(self) -> int:
+        return self.count[0]
+
+    def scopedckpt_restore(self, state: int) -> None:
+        self.count[0] = state
+
+
+def test_a_recompute_starts_from_the_stateful_snapshot_of_its_first_forward() -> None:
+    def train(checkpointed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(CountsInAList(), nn.Tanh(), nn.Linear(4, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(4):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+            with scopedckpt.checkpointing(model[0]) if checkpointed else nullcontext():
+                loss = model(x).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        assert model[0].count == [4]
+        return list(model.parameters())
+
+    for a, b in zip(train(True), train(False), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_stateful_module_called_more_often_in_the_recompute_raises() -> None:

@@ -61,6 +61,7 @@ _DEBUG_TIP = (
     "of the first forward and of the recompute."
 )
 _UNPACKED = object()  # a recomputed slot that backward has unpacked
+_SUPPRESSED = object()  # run's result until its region's forward returns
 
 
 def usable(options: RegionOptions) -> bool:
@@ -146,14 +147,13 @@ class _Frame:
 
     def recompute(self, key: Any) -> None:
         """Run the region again, collecting what its first forward saved."""
-        slots: list[Any] = [None] * len(self.placeholders)
-        self.recomputed[key] = slots
+        slots = self.recomputed[key] = [None] * len(self.placeholders)
         self.counts[key] = 0
         args = [a.unpack() if saved else a for saved, a in self.args]
         try:
             with _torch_private.internal_hooks(_collector(weakref.ref(self), key), _identity):
                 with torch.enable_grad():
-                    _run_outside_dynamo(self._rerun, args)
+                    self._rerun(args)
         except _torch_private.STOP_RECOMPUTATION:
             pass
         except BaseException:
@@ -163,7 +163,10 @@ class _Frame:
             raise
         self._check(slots, self.counts.pop(key), self.printed.pop(key, None))
 
+    @torch.compiler.disable
     def _rerun(self, args: list[Any]) -> None:
+        # Compiled autograd must not trace the recompute: its saved tensors would not be
+        # the first forward's (torch's Note: [compiled autograd and checkpoint unpack hook]).
         with autocast_as(self.autocast), self.recompute_context:
             self.fn(*args, **self.kwargs)
 
@@ -258,13 +261,6 @@ def _identity(x: Any) -> Any:
     return x
 
 
-@torch.compiler.disable
-def _run_outside_dynamo(rerun: Callable[[list[Any]], None], args: list[Any]) -> None:
-    # Compiled autograd must not trace the recompute: its saved tensors would not be
-    # the first forward's (torch's Note: [compiled autograd and checkpoint unpack hook]).
-    rerun(args)
-
-
 def run(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -311,8 +307,7 @@ def run(
     if site is not None and default and not learning:
         tail = frame.tail = site.tail  # type: ignore[assignment]  # an int here
         if tail >= 0:
-            printed: dict[int, torch.Tensor] = {}
-            frame.printed[None] = printed
+            printed = frame.printed[None] = {}
     learned = -1
 
     def pack(x: torch.Tensor) -> _Placeholder:
@@ -350,14 +345,10 @@ def run(
         slots[placeholder.index] = _UNPACKED
         return tensor
 
-    failed = False
+    result: Any = _SUPPRESSED
     with _torch_private.internal_hooks(pack, unpack), forward_context:
-        try:
-            result = fn(*args, **kwargs)
-        except BaseException:
-            failed = True
-            raise
-    if failed:  # the forward context suppressed the error: torch refuses that too
+        result = fn(*args, **kwargs)
+    if result is _SUPPRESSED:  # the forward context suppressed fn's error: torch refuses that too
         raise RuntimeError(
             "torch.utils.checkpoint: the forward context provided by context_fn suppressed "
             "an exception raised during the checkpointed forward. This is not supported "

@@ -16,7 +16,6 @@ import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any, TypeVar
 
 import torch
@@ -25,6 +24,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from . import _eager_checkpoint, _mechanisms, _torch_private
 from ._contexts import ContextFn, compose
 from ._early_stop import full_recompute
+from ._names import layer_of as layer_of
 from ._options import DEFAULT_OPTIONS, RegionOptions
 from ._policy import as_policy
 from ._sampling import Site, sampled_check
@@ -156,12 +156,7 @@ class _EnterFrame:
             raise
         self._entries.append((scope_token, frame_token, undos))
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> None:
         scope_token, frame_token, undos = self._entries.pop()
         failed = exc_type is not None and not issubclass(
             exc_type, _torch_private.STOP_RECOMPUTATION
@@ -231,9 +226,6 @@ def region_context_fn(
         forward = _EnterFrame(RECOMPUTE, tape, scope, owner, False)  # rewind: no
     else:
         tape = Tape()
-        save = options.save
-        if save is not None:
-            save = as_policy(save)
         call = RegionCall(
             owner,
             label,
@@ -241,7 +233,7 @@ def region_context_fn(
             args,
             kwargs,
             options.preserve_rng_state,
-            save,
+            None if options.save is None else as_policy(options.save),
             options.determinism_check,
             module,
             fn,
@@ -274,22 +266,12 @@ def region_context_fn(
 
 def region_module(owner: object | None, fn: Callable[..., Any]) -> torch.nn.Module | None:
     """The module a region runs: its owner, the module it calls, or the layer of a bound
-    method or partial (:func:`layer_of`); None for a plain function."""
+    method or partial (:func:`_names.layer_of`); None for a plain function."""
     if isinstance(owner, torch.nn.Module):
         return owner
     if isinstance(fn, torch.nn.Module):
         return fn
     return layer_of(fn)
-
-
-def layer_of(function: Callable[..., Any]) -> torch.nn.Module | None:
-    """The layer of ``partial(forward, layer, **kwargs)`` (how Hugging Face hands its
-    layers to a checkpoint function) or of a bound method, if ``function`` is one."""
-    if isinstance(function, functools.partial) and function.args:
-        first = function.args[0]
-        return first if isinstance(first, torch.nn.Module) else None
-    owner = getattr(function, "__self__", None)
-    return owner if isinstance(owner, torch.nn.Module) else None
 
 
 # Set while scopedckpt itself calls torch's checkpoint, so that a patched torch
@@ -307,21 +289,16 @@ def _region(
     options: RegionOptions = DEFAULT_OPTIONS,
     *,
     scope: Scope | None = None,
-    label: object = None,
 ) -> R:
     """Run ``fn`` as an eager region if a scope is active and grad is on, else plainly.
 
-    ``scope`` forces a scope where the caller has none (integrations);
-    ``label`` names the region in errors when it is not ``owner`` or ``fn``.
+    ``scope`` forces a scope where the caller has none (integrations).
     """
     if scope is None:
         scope = SCOPE.get()
-    if scope is None or not scope.enabled or not torch.is_grad_enabled():
-        return fn(*args, **kwargs)
-    if under_transform():  # NOTE [ torch.func transforms ]
-        return fn(*args, **kwargs)
-    if label is None:
-        label = owner if owner is not None else fn
+    if scope is None or not scope.enabled or not torch.is_grad_enabled() or under_transform():
+        return fn(*args, **kwargs)  # under a transform: NOTE [ torch.func transforms ]
+    label = owner if owner is not None else fn
     options = options.in_scope(scope.determinism_check)
     module = region_module(owner, fn)
     listing = None if module is None else subtree(module)

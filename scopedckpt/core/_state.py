@@ -120,9 +120,7 @@ class Scope:
 
     def selects(self, module: object) -> bool:
         """Whether ``module``'s forward is a region in this scope."""
-        if not self.enabled:
-            return False
-        return id(module) in self.modules or isinstance(module, self.classes)
+        return self.enabled and (id(module) in self.modules or isinstance(module, self.classes))
 
 
 @dataclass
@@ -239,8 +237,10 @@ class Frame:
     owner: object | None = None  # the module whose forward this region is
     rewind: bool = False
     cursor: int = 0
-    calls: dict[int, int] = field(default_factory=dict)  # guarded module id -> calls so far
-    guards: list[Any] = field(default_factory=list)  # _guard's GuardEntries: swapped, checked
+    # _guard: module id -> its calls so far (selective saving's numbering)
+    calls: dict[int, int] = field(default_factory=dict)
+    # _guard: strict mode's (module, copies of its buffers), one per guarded call running
+    guards: list[Any] = field(default_factory=list)
     selective: Any = None  # _selective's SavingMode: tracks module calls (module policies)
     modules: list[tuple[int, int]] = field(default_factory=list)  # (id, call index) running now
     # _guard: a recompute that installed no global hooks, whose calls other frames' leave

@@ -58,21 +58,15 @@ def self_guarded(forward: Callable[..., Any]) -> Callable[..., Any]:
 def _class_kind(cls: type) -> bool | None:
     """Per class: None if its forward guards itself, else whether it is ``Stateful``.
 
-    Cached, since the buffer guard's global hook asks at every module call of a first
-    forward. Whether an instance has buffers is asked of the instance each time: buffers
+    Cached in ``_CLASSES``, which ``guarded`` reads first: the buffer guard's global hook
+    asks at every module call of a first forward. Whether an instance has buffers is asked of the instance each time: buffers
     come and go (a module may register one after construction).
     """
-    entry = _CLASSES.get(id(cls))
-    if entry is not None:
-        return entry[0]
     forward = getattr(cls, "forward", None)
     kind = None if forward in _SELF_GUARDED else callable(getattr(cls, "scopedckpt_restore", None))
-    _CLASSES[id(cls)] = (kind, weakref.ref(cls, functools.partial(_forget_class, id(cls))))
+    # When the class goes, the callback pops its entry (the dead reference is pop's default).
+    _CLASSES[id(cls)] = (kind, weakref.ref(cls, functools.partial(_CLASSES.pop, id(cls))))
     return kind
-
-
-def _forget_class(key: int, _: object) -> None:
-    _CLASSES.pop(key, None)
 
 
 def guarded(module: nn.Module) -> bool:

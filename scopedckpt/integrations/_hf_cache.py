@@ -27,11 +27,10 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
     # Runs at every region start: only non-tensor arguments are looked at, the layer's opt-out is
     # looked up (a failing nn.Module attribute lookup is slow) and names are
     # formatted only when a cache is there.
-    owner, label = call.owner, call.label
     for key, value in call.others:
         kind = type(value)
         if kind.__name__.endswith("Cache") and kind.__module__.startswith("transformers."):
-            layer = owner if owner is not None else label
+            layer = call.owner if call.owner is not None else call.label
             if getattr(layer, "_can_checkpoint_with_cache", False) is True:
                 return False
             if isinstance(key, int):

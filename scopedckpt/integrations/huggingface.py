@@ -51,8 +51,9 @@ from typing import Any
 from torch import nn
 
 from ..core._checkpoint import _DETERMINISM_CHECKS, reentrant_message
-from ..core._engine import layer_of, region_outside_dynamo
+from ..core._engine import region_outside_dynamo
 from ..core._errors import ScopedCkptError
+from ..core._names import layer_of
 from ..core._options import DEFAULT_OPTIONS, RegionOptions
 from ..core._state import DEFAULT_SCOPE, SCOPE
 from ..core._torch_private import PATH
@@ -195,10 +196,6 @@ class _Setter:
         """The model class's own ``_set_gradient_checkpointing``, bound to the model."""
         method: Any = getattr(type(self.model), "_set_gradient_checkpointing")  # noqa: B009
         return method.__get__(self.model)
-
-    @property
-    def __signature__(self) -> inspect.Signature:  # transformers inspects it (old format)
-        return inspect.signature(self.original)
 
     def __call__(
         self,

@@ -162,8 +162,6 @@ def enter_frame(frame: Frame) -> Callable[..., None] | None:
     if generators.watched:
         watch = Watch(None, None)
         watch.__enter__()
-    if not found and watch is None:
-        return None
     # Replayed inside its parent's recompute: the generators run on.
     return functools.partial(_put_back, found if frame.rewind else [], watch)
 
@@ -202,11 +200,10 @@ class Watch(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling():  # first: dynamo traces both watches alike
+        # is_compiling first: dynamo traces both watches alike
+        if torch.compiler.is_compiling() or self.stash is None:
             return func(*args, **kwargs)
         stash = self.stash
-        if stash is None:
-            return func(*args, **kwargs)
         generator = kwargs.get("generator")
         if generator is None:
             generator = next((a for a in args if type(a) is torch.Generator), None)

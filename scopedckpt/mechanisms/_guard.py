@@ -22,19 +22,20 @@ as the first forward did:
 * *What is guarded:* the registered buffers (``module._buffers``) of every
   module called through ``__call__`` inside a region, and of the region's
   owner module itself, each with those of its guarded submodules: a forward
-  may write a submodule's buffers without calling it, and without moving
-  their versions (QAT's ``FusedMovingAvgObsFakeQuantize`` updates, and at its
-  first call resizes, its observer child's ``min_val``/``max_val`` in its
-  fused op); plus any state a module exposes through the :class:`Stateful`
-  protocol. *Not guarded here:* plain Python attributes (NOTE [ forward's world ]), tensors that are not
-  registered buffers, globals, buffers a module registers during its own
-  call (the guard looks before the call): use :func:`scopedckpt.replay` or
-  the protocol for those. Buffers of the region's module subtree written
-  outside their module's own call (through a method, by another module),
-  and parameters changed in place, are replayed from copies taken at the
-  region's start (NOTE [ unguarded writes ] in ``_written.py``).
+  may write a submodule's buffers without calling it, and without moving their
+  versions (QAT's ``FusedMovingAvgObsFakeQuantize`` updates, and at its first
+  call resizes, its observer child's ``min_val``/``max_val`` in its fused op);
+  plus any state a module exposes through the :class:`Stateful` protocol.
+  *Not guarded here:* plain Python attributes (NOTE [ forward's world ]),
+  tensors that are not registered buffers, globals, buffers a module registers
+  during its own call (the guard looks before the call): use
+  :func:`scopedckpt.replay` or the protocol for those. Buffers of the region's
+  module subtree written outside their module's own call (through a method, by
+  another module), and parameters changed in place, are replayed from copies
+  taken at the region's start (NOTE [ unguarded writes ] in ``_written.py``).
   torch's lazy modules keep placeholders until their first call fills them;
-  the guard fills them itself first (``initialize_lazy`` in ``_module_state.py``).
+  the guard fills them itself first (``initialize_lazy`` in
+  ``_module_state.py``).
 * First forward: before its first guarded call in the region, a module's
   buffers are copied (with its submodules', where it has children) and its
   :class:`Stateful` snapshot taken, on the tape. All of them, not only those
@@ -70,10 +71,11 @@ Compiled code run by an eager region (a compiled block inside
 ``scopedckpt.checkpoint``, or any recompute of one) calls the guard's
 global hooks while dynamo traces. Its work is never traced: in compiled code
 a hook either returns (no eager frame in this thread: nothing to guard) or
-calls itself again through ``torch.compiler.disable``. Traced, the hook graph-broke at ``FRAME.get()`` and
-dynamo compiled the bookkeeping after it (``guarded``, ``count_call``,
-``enter``) as frames of their own, specialised on this package's mutable
-dicts (the class cache, a frame's call counts, the tape's states). Which of
+calls itself again through ``torch.compiler.disable``. Traced, the hook
+graph-broke at ``FRAME.get()`` and dynamo compiled the bookkeeping after it
+(``guarded``, the call counting, ``enter``) as frames of their own, specialised
+on this package's mutable dicts (the class cache, a frame's call counts, the
+tape's states). Which of
 them a compiled frame got right depended on what earlier calls had left in
 those dicts: ``test_compiled_code_inside_an_eager_region_takes_the_eager_path``
 updated an unconverted batch norm twice when run after the graph-break test,
@@ -99,14 +101,7 @@ from ..core._torch_private import (
     GLOBAL_POST_HOOKS_ALWAYS_CALLED,
     GLOBAL_PRE_HOOKS,
 )
-from ._module_state import (
-    enter,
-    exit_,
-    guarded,
-    initialize_lazy,
-    swap_in_first,
-    unwind,
-)
+from ._module_state import enter, exit_, guarded, initialize_lazy, swap_in_first
 from ._selective import saves
 
 __all__ = [
@@ -152,19 +147,15 @@ def _pre_hook(module: nn.Module, args: Any) -> None:
         modes = frame.tape.modes  # the recompute runs in these modes (enter_frame)
         if key not in modes:
             modes[key] = (module, module.training)
-    if guarded(module):
-        if frame.phase is not RECOMPUTE:
+        if guarded(module):
             initialize_lazy(frame, module, args)
-        index = _outside_numbering(frame, enter, module)
-    else:
-        # Counted all the same: a buffer registered lazily during the first
-        # forward must not shift the call indices the recompute looks up.
-        calls = frame.calls  # count_call, written out: this runs at every module call
-        index = calls.get(key, 0)
-        calls[key] = index + 1
+            _outside_numbering(frame, enter, module)
     if not saves(frame.tape):
         return
     # Selective saving numbers op calls per module call (NOTE [ selective saving ]).
+    calls = frame.calls
+    index = calls.get(key, 0)
+    calls[key] = index + 1
     frame.modules.append((key, index))
     if frame.selective is not None:
         frame.selective.enter_module(module)
@@ -183,7 +174,7 @@ def _post_hook(module: nn.Module, args: Any, output: Any) -> None:
         frame.modules.pop()
         if frame.selective is not None:
             frame.selective.exit_module()
-    if frame.guards and frame.guards[-1].module is module:
+    if frame.guards and frame.guards[-1][0] is module:  # strict mode's check
         _outside_numbering(frame, exit_, module)
 
 
@@ -192,7 +183,6 @@ _pre_outside_dynamo = torch.compiler.disable(_pre_hook)
 _post_outside_dynamo = torch.compiler.disable(_post_hook)
 
 
-# The phases of the frames enter_frame acts in.
 FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
 
 
@@ -232,41 +222,42 @@ def enter_frame(frame: Frame) -> Callable[..., None]:
         if isinstance(owner, nn.Module) and guarded(owner):
             # Its forward runs in the region without __call__: the frame is its call.
             _outside_numbering(frame, enter, owner)
-        return functools.partial(end, frame, every_call, None)
+        return functools.partial(end, frame, every_call, None, None)
     every_call = saves(frame.tape)
     if every_call:
         _install(every_call)
     else:
         frame.unhooked = True  # other frames' global hooks leave its calls alone
-    if frame.tape.states:  # last: nothing after it raises; end() puts the real buffers back
-        swap_in_first(frame)
-    return functools.partial(end, frame, every_call, _first_forward_modes(frame))
+    # Last: nothing after it raises; end() puts the real buffers back.
+    put_back = swap_in_first(frame) if frame.tape.states else None
+    return functools.partial(end, frame, every_call, put_back, _first_forward_modes(frame))
 
 
 def _first_forward_modes(frame: Frame) -> list[tuple[nn.Module, bool]] | None:
     """Put the modules the first forward called back in the modes it called them in
     (``model.eval()`` between forward and backward); returns those switched."""
-    modes = frame.tape.modes
-    if not modes:  # no module called in the first forward
-        return None
-    switched = [(m, t) for m, t in modes.values() if m.training is not t]
+    switched = [(m, t) for m, t in frame.tape.modes.values() if m.training is not t]
     for module, training in switched:
         module.training = training
     return switched or None
 
 
 def end(
-    frame: Frame, every_call: bool, switched: list[tuple[nn.Module, bool]] | None, *exc: object
+    frame: Frame,
+    every_call: bool,
+    put_back: Callable[[], None] | None,
+    switched: list[tuple[nn.Module, bool]] | None,
+    exc_type: object,
+    *exc: object,
 ) -> None:
     """Stop guarding a frame that is being left, leaving no swapped buffer or mode behind."""
     try:
-        owner = frame.owner
-        if frame.phase is not RECOMPUTE and (not exc or exc[0] is None):
-            # The owner's call ended (the frame): strict mode's check.
-            if isinstance(owner, nn.Module) and frame.guards and frame.guards[-1].module is owner:
+        owner = frame.owner  # its call (the frame) ended: strict mode's check
+        if exc_type is None and isinstance(owner, nn.Module) and frame.guards:
+            if frame.guards[-1][0] is owner:  # only strict first forwards stack checks
                 _outside_numbering(frame, exit_, owner)
-        if frame.guards:
-            unwind(frame)
+        if put_back is not None:
+            put_back()
     finally:
         if switched is not None:
             for module, training in switched:

@@ -1,17 +1,19 @@
-"""What one guarded module call keeps and puts back: copies of its buffers, snapshots.
+"""What a recompute swaps in for module state, and how it puts it back: copies of guarded
+modules' buffers, ``Stateful`` snapshots, registrations.
 
 The buffer guard (NOTE [ buffer guard ] in ``_guard.py``) decides which calls
-are guarded and when; this module does the guarding of one call: ``enter``
-before it, ``exit_`` after it, ``unwind`` when a frame ends, and says
-which modules need it at all (``guarded``). A call's state is its module's
-buffers and its submodules' (``_nested``); a recompute runs on copies of them from
-its start (``swap_in_first``) to its end (``unwind``).
+are guarded and when; this module keeps their state: ``enter`` before a first
+forward's guarded call, ``exit_`` after it (strict mode), ``swap_in_first``
+when a recompute starts, and says which modules need it at all (``guarded``).
+``swap`` and ``put_back`` are the one way the mechanisms swap a value into a
+dict (a registration, a module's ``__dict__``) for a recompute and undo it.
 """
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -21,24 +23,25 @@ from torch.nn.parameter import is_lazy
 
 from ..core._errors import ScopedCkptError
 from ..core._names import frame_region_name
-from ..core._state import RECOMPUTE, Frame, module_path
+from ..core._state import Frame, module_path
 from ..core._subtree import guarded
 from ..core._torch_private import module_buffers
 from ._report import stats_of
 from ._verify import not_verified_statistics, verified_call
 
 __all__ = [
+    "MISSING",
     "SWAPPED",
-    "GuardEntry",
     "ModuleState",
     "Stateful",
-    "count_call",
+    "Swapped",
     "enter",
     "exit_",
     "guarded",
     "initialize_lazy",
+    "put_back",
+    "swap",
     "swap_in_first",
-    "unwind",
 ]
 
 
@@ -86,24 +89,33 @@ class ModuleState:
 
     module: nn.Module
     buffers: list[tuple[str, Tensor]]  # every buffer's value before the call
-    state: Any  # the Stateful snapshot, or _NONE
+    state: Any  # the Stateful snapshot, or MISSING
     # its submodules' buffers' values before the call, as (holder, name, value)
     nested: Sequence[tuple[nn.Module, str, Tensor]] = ()
 
 
-@dataclass
-class GuardEntry:
-    """A guarded call running now (on the frame's stack); under a recompute's calls, with
-    index -1, the real buffers of one module it runs on copies of (``swap_in_first``)."""
-
-    module: nn.Module
-    index: int
-    # (name, tensor): forward, copies before the call; recompute, none (index -1: the reals)
-    saved: list[Any]
-    state: Any  # forward: the snapshot; recompute: the state to put back
+# What a dict held at each key a swap set, as (dict, key, value or MISSING), in order.
+Swapped = list[tuple[dict[str, Any], str, Any]]
+MISSING = object()  # a key a dict did not hold; no Stateful snapshot
 
 
-_NONE = object()
+def swap(d: dict[str, Any], key: str, value: Any, found: Swapped) -> None:
+    """Set ``d[key]`` to ``value`` (``MISSING``: remove it), noting in ``found`` what it
+    held."""
+    found.append((d, key, d.get(key, MISSING)))
+    if value is MISSING:
+        del d[key]
+    else:
+        d[key] = value
+
+
+def put_back(found: Swapped) -> None:
+    """Undo the swaps ``found`` noted, the last first."""
+    for d, key, value in reversed(found):
+        if value is MISSING:
+            d.pop(key, None)
+        else:
+            d[key] = value
 
 
 def _stateful(module: nn.Module) -> bool:
@@ -140,94 +152,72 @@ def _nested(module: nn.Module) -> Sequence[tuple[nn.Module, str, Tensor]]:
     ]
 
 
-def count_call(frame: Frame, module: nn.Module) -> int:
-    """How many calls of ``module`` came before this one in the frame (and count this one)."""
-    index = frame.calls.get(id(module), 0)
-    frame.calls[id(module)] = index + 1
-    return index
-
-
 def _copies(module: nn.Module) -> list[tuple[str, Tensor]]:
     return [(n, b.clone()) for n, b in module_buffers(module).items() if b is not None]
 
 
-def enter(frame: Frame, module: nn.Module) -> int:
-    """Before a guarded call of a first forward: at the module's first call in the frame,
+def enter(frame: Frame, module: nn.Module) -> None:
+    """Before a guarded call of a first forward: at the module's first call in the region,
     record its state (copies of its buffers and its submodules', its snapshot), which the
-    recompute starts from; in strict mode, copies to check the call against. A
-    recompute's calls run on the copies ``swap_in_first`` put in.
-
-    Returns the call's index (how many calls of the module came before it)."""
-    index = count_call(frame, module)
-    if frame.phase is RECOMPUTE:
-        return index
+    recompute starts from (``swap_in_first``); in strict mode, put copies to check the
+    call against (``exit_``) on the frame's stack."""
     if verified_call(frame.tape) is not None:
         not_verified_statistics(module)
     states = frame.tape.states
     saved: list[tuple[str, Tensor]] | None = None
     if id(module) not in states:
         saved = _copies(module)
-        state = _snapshot(module) if _stateful(module) else _NONE
+        state = _snapshot(module) if _stateful(module) else MISSING
         nested = _nested(module)
         states[id(module)] = ModuleState(module, saved, state, nested)
         stats = stats_of(frame.tape)
         if stats is not None:  # the memory report's row counts the copies as kept
             stats.kept_bytes += sum(tensor.nbytes for _, tensor in saved)
             stats.kept_bytes += sum(tensor.nbytes for *_, tensor in nested)
-    if frame.scope.strict:  # checked after the call (exit_)
-        frame.guards.append(GuardEntry(module, index, saved or _copies(module), _NONE))
-    return index
+    if frame.scope.strict:
+        frame.guards.append((module, saved or _copies(module)))
 
 
-# The buffers (module id, name) the recompute frames being run in this context have
-# swapped copies in for (NOTE [ unguarded writes ] in _written.py, which sets it): a region
-# nested in another runs its forward again inside the outer one's recompute, where the
-# outer's copies already hold the values its first forward found, and its writes must
-# land on them; and swap_in_first leaves them, holding the values at the region's start.
+# The tensors (module id, name) the recompute frames running in this context swapped
+# copies in for (NOTE [ unguarded writes ] in _written.py, which sets it): a nested
+# region's recompute writes on them, and swap_in_first leaves them.
 SWAPPED: contextvars.ContextVar[frozenset[tuple[int, str]]] = contextvars.ContextVar(
     "scopedckpt_swapped", default=frozenset()
 )
 
 
-def swap_in_first(frame: Frame) -> None:
+def swap_in_first(frame: Frame) -> Callable[[], None]:
     """A recompute starts: swap copies in for the buffers of every module its first
     forward called, of their values before the module's first call, and put back each
-    one's snapshot, until the recompute ends.
+    one's snapshot (NOTE [ buffer guard ]); returns what puts the real ones back.
 
-    The recompute's calls update the copies as the first forward's updated the real
-    ones, so before, between and after calls it reads what the first forward read
-    (QAT's ``ConvBn2d`` folds ``bn.running_var`` into its weight before calling ``bn``;
-    a fake quant reads its observer's statistics after calling it). The real ones go
-    on the frame's guard stack, and ``unwind`` puts them back. Buffers the unguarded
-    writes swapped (``SWAPPED``) already hold copies, of their values at the region's
-    start.
+    Buffers the unguarded writes swapped (``SWAPPED``) keep their copies.
     """
-    skip = SWAPPED.get()
+    seen = set(SWAPPED.get())
     verified = verified_call(frame.tape) is not None
-    reals: dict[int, GuardEntry] = {}  # by holder id
-    seen: set[tuple[int, str]] = set()
+    found: Swapped = []
+    states: list[tuple[nn.Module, Any]] = []  # (module, its state to put back)
     for record in frame.tape.states.values():  # in the order of the first calls
         own = ((record.module, name, before) for name, before in record.buffers)
         for holder, name, before in (*own, *record.nested):
-            key = (id(holder), name)
-            if key in seen or key in skip:
+            if (id(holder), name) in seen:
                 continue
-            seen.add(key)
-            entry = reals.get(id(holder))
-            if entry is None:
-                entry = reals[id(holder)] = GuardEntry(holder, -1, [], _NONE)
-            buffers = module_buffers(holder)
-            entry.saved.append((name, buffers.get(name)))
-            buffers[name] = before.clone()  # a copy: later recomputes need `before` again
+            seen.add((id(holder), name))
+            # A copy: a later recompute needs `before` again.
+            swap(module_buffers(holder), name, before.clone(), found)
             if verified:
                 not_verified_statistics(holder)
-        if record.state is not _NONE:
-            entry = reals.get(id(record.module))
-            if entry is None:
-                entry = reals[id(record.module)] = GuardEntry(record.module, -1, [], _NONE)
-            entry.state = _snapshot(record.module)
+        if record.state is not MISSING:
+            states.append((record.module, _snapshot(record.module)))
             _restore(record.module, record.state)
-    frame.guards.extend(reals.values())
+    return functools.partial(_put_back, found, states)
+
+
+def _put_back(found: Swapped, states: list[tuple[nn.Module, Any]]) -> None:
+    """Put back the states, then the buffers (independent: snapshots hold no buffer)."""
+    for module, state in states:
+        _restore(module, state)
+    put_back(found)
 
 
 def initialize_lazy(frame: Frame, module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -260,15 +250,11 @@ def initialize_lazy(frame: Frame, module: nn.Module, args: tuple[Any, ...]) -> N
 
 
 def exit_(frame: Frame, module: nn.Module) -> None:
-    """After a guarded call of a first forward: strict mode's check."""
-    if frame.phase is not RECOMPUTE and frame.scope.strict:
-        _refuse_changes(frame, module, frame.guards.pop())
-
-
-def _refuse_changes(frame: Frame, module: nn.Module, entry: GuardEntry) -> None:
-    """Strict mode: a module changing its buffers in a region is not on the fast path."""
+    """After a guarded call of a strict first forward: a module changing its buffers in
+    a region is not on the fast path."""
+    _, copies = frame.guards.pop()
     buffers = module_buffers(module)
-    changed = [name for name, copy in entry.saved if not _same(buffers.get(name), copy)]
+    changed = [name for name, copy in copies if not _same(buffers.get(name), copy)]
     if changed:
         raise ScopedCkptError(
             f"scopedckpt: strict mode found {module_path(module, frame)} changing buffers in "
@@ -278,19 +264,3 @@ def _refuse_changes(frame: Frame, module: nn.Module, entry: GuardEntry) -> None:
             "strict mode asks for scoped layers instead. Replace it with a scoped layer "
             "(scopedckpt.convert(model) converts torch's batch norms), or turn strict off."
         )
-
-
-def _put_back(entry: GuardEntry) -> None:
-    for name, real in entry.saved:
-        module_buffers(entry.module)[name] = real
-    if entry.state is not _NONE:
-        _restore(entry.module, entry.state)
-
-
-def unwind(frame: Frame) -> None:
-    """Leave no swapped buffer behind when a frame ends: a recompute's real buffers and
-    states (``swap_in_first``); a first forward's strict checks left by an error."""
-    while frame.guards:
-        entry = frame.guards.pop()
-        if frame.phase is RECOMPUTE:
-            _put_back(entry)

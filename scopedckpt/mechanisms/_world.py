@@ -34,18 +34,19 @@ Attributes and random states are costly to record at every call (a
 ``random.getstate()`` costs more than a region's whole machinery), so a site
 (``_sampling.Site``) learns what its forward needs on its calls until one of
 them is recomputed (the first step's, nested ones included) and on its
-*verified* calls (NOTE [ sampled verification ]): such a call records every attribute of the subtree's modules and both random
-states; the end of its forward and the start of its recompute note which
-attributes changed since the region started (by identity: a counter's new int,
-a mask made, a tensor assigned; by the forward itself, so a call never
-recomputed teaches its site too, or by anyone before backward), the former
-whether the forward drew from either RNG; every later call of the site records
-those, and every recompute puts its call's record in place. A site that starts to need more on an
+*verified* calls (NOTE [ sampled verification ]): such a call records every
+attribute of the subtree's modules and both random states; the end of its
+forward and the start of its recompute note which attributes changed since the
+region started (by identity: a counter's new int, a mask made, a tensor
+assigned; by the forward itself, so a call never recomputed teaches its site
+too, or by anyone before backward), the former whether the forward drew from
+either RNG; every later call of the site records those, and every recompute
+puts its call's record in place. A site that starts to need more on an
 unverified call (a branch taken after warm-up) is not replayed there: where
 what it changes reaches a saved tensor, the light check (NOTE [ light check ])
-or the path check names the region on that call; a draw whose value reaches
-no saved tensor leaves the gradients exact, and Python's stream one draw
-ahead after backward, until a sampled verified call learns it.
+or the path check names the region on that call; a draw whose value reaches no
+saved tensor leaves the gradients exact, and Python's stream one draw ahead
+after backward, until a sampled verified call learns it.
 
 Every backward recompute puts the recorded world in place where the present
 differs, runs, and puts the present back: what the recompute registers,
@@ -67,59 +68,48 @@ import functools
 import random
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 from ..core._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape
 from ..core._torch_private import parametrize_cache
+from ._module_state import MISSING as _MISSING
+from ._module_state import Swapped, put_back, swap
 
 __all__ = ["FRAME_PHASES", "Learned", "World", "enter_frame", "numpy_random", "start_region"]
 
 FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
 
-_MISSING = object()  # an attribute a module did not have
 
-
+@dataclass(slots=True, eq=False)
 class Learned:
     """What a site's verified calls showed its forward needs (on ``_sampling.Site``)."""
 
-    __slots__ = ("attributes", "numpy", "python", "recomputed")
-
-    def __init__(self) -> None:
-        # (the module's __dict__, attribute name) of each attribute seen to change
-        self.attributes: tuple[tuple[dict[str, Any], str], ...] = ()
-        self.python = False  # the forward drew from Python's random
-        self.numpy = False  # ... from NumPy's global RNG
-        self.recomputed = False  # a learning call's recompute has compared attributes
+    # (the module's __dict__, attribute name) of each attribute seen to change
+    attributes: tuple[tuple[dict[str, Any], str], ...] = ()
+    python: bool = False  # the forward drew from Python's random
+    numpy: bool = False  # ... from NumPy's global RNG
+    recomputed: bool = False  # a learning call's recompute has compared attributes
 
 
+@dataclass(slots=True, eq=False)
 class World:
     """A region's recorded world (``tape.world``); private to this mechanism."""
 
-    __slots__ = (
-        "attributes",
-        "bindings",
-        "dicts",
-        "learning",
-        "numpy",
-        "parametrize",
-        "python",
-        "site",
-    )
-
-    def __init__(self, site: Any, learning: bool) -> None:
-        self.site = site
-        self.learning = learning
-        # (registration dict, its copy at the region's start)
-        self.bindings: tuple[tuple[dict[str, Any], dict[str, Any]], ...] = ()
-        # (a module's __dict__, attribute name, value at the start or _MISSING)
-        self.attributes: list[tuple[dict[str, Any], str, Any]] = []
-        self.dicts: list[dict[str, Any]] = []  # a learning call's: every module's __dict__
-        self.python: Any = None  # random.getstate() at the start, where recorded
-        self.numpy: Any = None  # numpy.random.get_state() at the start, where recorded
-        # parametrize.cached()'s (blocks open, copy of its cache) at the start, where open
-        self.parametrize: tuple[int, dict[Any, Any]] | None = None
+    site: Any
+    learning: bool
+    # (registration dict, its copy at the region's start)
+    bindings: tuple[tuple[dict[str, Any], dict[str, Any]], ...] = ()
+    # (a module's __dict__, attribute name, value at the start or _MISSING)
+    attributes: list[tuple[dict[str, Any], str, Any]] = field(default_factory=list)
+    # a learning call's: every module's __dict__
+    dicts: list[dict[str, Any]] = field(default_factory=list)
+    python: Any = None  # random.getstate() at the start, where recorded
+    numpy: Any = None  # numpy.random.get_state() at the start, where recorded
+    # parametrize.cached()'s (blocks open, copy of its cache) at the start, where open
+    parametrize: tuple[int, dict[Any, Any]] | None = None
 
 
 def numpy_random() -> Any:
@@ -195,21 +185,14 @@ def enter_frame(frame: Frame) -> Callable[..., None] | None:
         return None
     if world.learning:
         _learn(world)
-    undo: list[tuple[dict[str, Any], str, Any]] = []
+    undo: Swapped = []
     for registered, before in world.bindings:
         for name, tensor in before.items():
-            present = registered.get(name, _MISSING)
-            if present is not tensor:
-                undo.append((registered, name, present))
-                registered[name] = tensor
-    for d, name, value in world.attributes:
-        present = d.get(name, _MISSING)
-        if present is not value:
-            undo.append((d, name, present))
-            if value is _MISSING:
-                del d[name]
-            else:
-                d[name] = value
+            if registered.get(name, _MISSING) is not tensor:
+                swap(registered, name, tensor, undo)
+    for d, name, value in world.attributes:  # value _MISSING: an attribute gained since
+        if d.get(name, _MISSING) is not value:
+            swap(d, name, value, undo)
     python = numpy_state = None
     if world.python is not None:
         python = random.getstate()
@@ -286,27 +269,20 @@ def _learn_attributes(world: World, learned: Learned) -> None:
 
 def _learned(world: World) -> Learned | None:
     site = world.site
-    if site is None:
-        return None
-    if site.world is None:
+    if site is not None and site.world is None:
         site.world = Learned()
-    learned: Learned = site.world
-    return learned
+    return None if site is None else site.world
 
 
 def _put_back(
-    undo: list[tuple[dict[str, Any], str, Any]],
+    undo: Swapped,
     python: Any,
     numpy: Any,
     numpy_state: Any,
     parametrize: tuple[int, dict[Any, Any]] | None,
     *exc: object,
 ) -> None:
-    for d, name, present in reversed(undo):
-        if present is _MISSING:
-            d.pop(name, None)
-        else:
-            d[name] = present
+    put_back(undo)
     if python is not None:
         random.setstate(python)
     if numpy_state is not None:

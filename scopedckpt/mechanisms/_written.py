@@ -5,7 +5,7 @@ NOTE [ unguarded writes ]
 =========================
 A recompute runs a region's forward again. The buffer guard (NOTE [ buffer
 guard ] in ``_guard.py``) swaps copies in for the buffers of the modules the
-region *calls* (with their submodules'), of their values before each call, and
+region *calls* (with their submodules'), of their values before the first, and
 scoped batch norm keeps its own. Writes outside those calls escape both, and a
 recompute would repeat them on the real tensors (or on the guard's copies,
 which already hold them) and compute from their new values:
@@ -38,8 +38,8 @@ its first forward ends:
   and writes nothing real, however it writes (called or not, in place or by
   assignment). A parameter's copy is an ``nn.Parameter`` too; gradients still
   reach the real one, since backward runs the first forward's graph and takes
-  only saved tensors' values from the recompute. Under the copy the guard still
-  guards each call, on top. A region nested in another runs its forward again
+  only saved tensors' values from the recompute. The guard leaves such copies
+  alone (``SWAPPED``). A region nested in another runs its forward again
   inside the outer one's recompute: there it leaves alone the tensors the outer
   one swapped (whose copies hold the values its first forward found, and must
   take its writes);
@@ -64,11 +64,9 @@ may be written, freed when its first forward ends.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
@@ -79,6 +77,7 @@ from ..core._subtree import Listing, current_parameters, subtree
 from ..core._torch_private import module_buffers, module_parameters, version_of
 from ._guard import modules_called
 from ._module_state import SWAPPED as _SWAPPED
+from ._module_state import Swapped, put_back, swap
 from ._report import stats_of
 
 __all__ = ["FRAME_PHASES", "Copies", "Noted", "enter_frame", "start_region"]
@@ -166,21 +165,16 @@ def enter_frame(frame: Frame) -> Callable[..., None] | None:
             copies.learning = False
         return None
     copies.listing.learning = False
-    if not copies.buffers and not copies.parameters:
-        return None
-    # The buffers the recompute frames run in this context swapped copies in for (set
-    # here, and read by the guard's swap_in_first, which leaves them alone).
-    swapped = _SWAPPED.get()
-    found: list[tuple[dict[str, Any], str, Any]] = []
+    swapped = _SWAPPED.get()  # set below too: a nested region's recompute continues on them
+    found: Swapped = []
     keys = []
     for holder, name, before in copies.buffers:
         key = (id(holder), name)
         if key in swapped:  # an enclosing recompute's copy: continue on it
             continue
-        buffers = module_buffers(holder)
-        found.append((buffers, name, buffers.get(name)))
         keys.append(key)
-        buffers[name] = before.clone()  # a copy: a later recompute needs `before` again
+        # A copy: a later recompute needs `before` again.
+        swap(module_buffers(holder), name, before.clone(), found)
     for slots, before, requires_grad in copies.parameters:
         if (id(slots[0][0]), slots[0][1]) in swapped:
             continue
@@ -188,24 +182,17 @@ def enter_frame(frame: Frame) -> Callable[..., None] | None:
         # the first forward's graph, to the real parameter.
         copy = nn.Parameter(before.clone(), requires_grad=requires_grad)
         for holder, name in slots:
-            registered = module_parameters(holder)
-            found.append((registered, name, registered.get(name)))
             keys.append((id(holder), name))
-            registered[name] = copy
+            swap(module_parameters(holder), name, copy, found)
     if not found:
         return None
     token = _SWAPPED.set(swapped | frozenset(keys))
-    return functools.partial(_put_back, found, token)
 
+    def put_back_reals(*exc: object) -> None:
+        _SWAPPED.reset(token)
+        put_back(found)
 
-def _put_back(
-    found: list[tuple[dict[str, Any], str, Any]],
-    token: contextvars.Token[frozenset[tuple[int, str]]],
-    *exc: object,
-) -> None:
-    _SWAPPED.reset(token)
-    for buffers, name, real in found:
-        buffers[name] = real
+    return put_back_reals
 
 
 def _check(frame: Frame, exc_type: object, *exc: object) -> None:

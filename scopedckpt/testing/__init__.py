@@ -79,11 +79,9 @@ def _describe_difference(a: Tensor, b: Tensor) -> str:
         a, b = a.double(), b.double()
     diff = (a - b).abs()
     diff = torch.where(torch.isnan(a) != torch.isnan(b), torch.inf, diff.nan_to_num(0.0))
-    flat = int(diff.reshape(-1).argmax()) if diff.numel() else 0
-    index = (
-        tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)) if a.dim() else ()
-    )
-    count = int((a != b).sum()) if a.dim() else 1
+    # Only called for unequal tensors of one shape, so never for empty ones.
+    index = tuple(int(i) for i in torch.unravel_index(diff.argmax(), a.shape))
+    count = int((a != b).sum())
     return (
         f"max abs diff {float(diff.max()):.3g} at index {index} (checkpointed "
         f"{a[index].item()!r} vs plain {b[index].item()!r}); {count} of {a.numel()} "
