@@ -4,7 +4,8 @@ modules' buffers, ``Stateful`` snapshots, registrations.
 The buffer guard (NOTE [ buffer guard ] in ``_guard.py``) decides which calls
 are guarded and when; this module keeps their state: ``enter`` before a first
 forward's guarded call, ``exit_`` after it (strict mode), ``swap_in_first``
-when a recompute starts, and says which modules need it at all (``guarded``).
+when a recompute starts (which modules need it at all: ``guarded``, in
+``core/_subtree.py``).
 ``swap`` and ``put_back`` are the one way the mechanisms swap a value into a
 dict (a registration, a module's ``__dict__``) for a recompute and undo it.
 """
@@ -51,11 +52,12 @@ class Stateful(Protocol):
 
     A module whose forward changes state that is not a registered buffer (a
     Python counter, an object it owns) implements these two methods; inside
-    checkpoint regions scopedckpt then calls ``scopedckpt_state()`` before each
-    first-forward call, and around the recompute of that call restores the
-    snapshot with ``scopedckpt_restore(snapshot)`` and afterwards puts back what
-    it found. The snapshot must not be changed by later calls: return copies
-    (restore may be called with the same snapshot several times).
+    checkpoint regions scopedckpt then calls ``scopedckpt_state()`` before the
+    module's first call in a region's first forward, restores that snapshot with
+    ``scopedckpt_restore(snapshot)`` when the region's recompute starts (its calls
+    go on from it as the first forward's did), and puts back what it found when
+    the recompute ends. The snapshot must not be changed by later calls: return
+    copies (restore may be called with the same snapshot several times).
 
     Example
     -------
@@ -85,12 +87,13 @@ class Stateful(Protocol):
 
 @dataclass
 class ModuleState:
-    """What a recompute of one guarded call restores (on the tape)."""
+    """What a region's recompute starts one guarded module from (on the tape): its state
+    before its first call in the region's first forward."""
 
     module: nn.Module
-    buffers: list[tuple[str, Tensor]]  # every buffer's value before the call
+    buffers: list[tuple[str, Tensor]]  # every buffer's value before that call
     state: Any  # the Stateful snapshot, or MISSING
-    # its submodules' buffers' values before the call, as (holder, name, value)
+    # its submodules' buffers' values before that call, as (holder, name, value)
     nested: Sequence[tuple[nn.Module, str, Tensor]] = ()
 
 
@@ -260,7 +263,7 @@ def exit_(frame: Frame, module: nn.Module) -> None:
             f"scopedckpt: strict mode found {module_path(module, frame)} changing buffers in "
             "a region: use a scoped layer or turn strict off.\n"
             f"It changed {', '.join(changed)} in {frame_region_name(frame)}. The buffer guard "
-            "keeps the recompute from changing them again, at the cost of a copy per call; "
-            "strict mode asks for scoped layers instead. Replace it with a scoped layer "
+            "keeps the recompute from changing them again, at the cost of a copy of them per "
+            "region; strict mode asks for scoped layers instead. Replace it with a scoped layer "
             "(scopedckpt.convert(model) converts torch's batch norms), or turn strict off."
         )
