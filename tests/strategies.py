@@ -161,7 +161,7 @@ class Statistics(nn.Module):
 
 class Banked(nn.Module):
     """Pushes its input's channel means into a child's buffer through a method (a memory
-    bank's ``push``), then reads the buffer (NOTE [ unguarded writes ]: exact)."""
+    bank's ``push``), then reads the buffer (NOTE [ buffer guard ]: exact)."""
 
     def __init__(self, c: int) -> None:
         super().__init__()
@@ -176,7 +176,7 @@ class Banked(nn.Module):
 
 class InPlaceWeight(nn.Module):
     """A weight clamped in place in forward, as ``nn.Embedding(max_norm=...)``
-    renormalizes rows (NOTE [ unguarded writes ]: the recompute clamps a copy)."""
+    renormalizes rows (NOTE [ written parameters ]: the recompute clamps a copy)."""
 
     def __init__(self, c: int) -> None:
         super().__init__()

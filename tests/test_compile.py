@@ -19,8 +19,8 @@ from torch._dynamo.utils import counters
 
 import scopedckpt
 from scopedckpt.core._paths import MIRROR
+from scopedckpt.core._subtree import guarded
 from scopedckpt.mechanisms import _guard
-from scopedckpt.mechanisms._module_state import guarded
 
 pytestmark = [
     pytest.mark.slow,

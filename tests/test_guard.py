@@ -14,7 +14,7 @@ from torch import nn
 import scopedckpt
 from scopedckpt.core import _subtree
 from scopedckpt.core._light import RecomputeDivergenceError
-from scopedckpt.mechanisms import _guard, _module_state
+from scopedckpt.mechanisms import _guard
 from scopedckpt.testing import assert_checkpoint_equivalent
 
 
@@ -164,9 +164,9 @@ def test_the_guard_asks_each_instance_for_its_buffers() -> None:
     plain = nn.Sequential(nn.Linear(6, 6), LateCounter())
     with scopedckpt.checkpointing():  # the class is seen in a region, with no buffers
         scopedckpt.checkpoint(plain, x.requires_grad_())
-    assert not _module_state.guarded(plain[1])
+    assert not _subtree.guarded(plain[1])
     counting = nn.Sequential(nn.Linear(6, 6), LateCounter().count(), LateCounter())
-    assert _module_state.guarded(counting[1]) and not _module_state.guarded(counting[2])
+    assert _subtree.guarded(counting[1]) and not _subtree.guarded(counting[2])
     assert_checkpoint_equivalent(counting, x, targets=[counting], steps=3)
     counting[2].count()  # between steps
     assert_checkpoint_equivalent(counting, x, targets=[counting], steps=3)
@@ -174,14 +174,14 @@ def test_the_guard_asks_each_instance_for_its_buffers() -> None:
 
 def test_scoped_batch_norm_skips_the_guard() -> None:
     bn = scopedckpt.BatchNorm1d(6)
-    assert not _module_state.guarded(bn)
-    assert _module_state.guarded(nn.BatchNorm1d(6))
+    assert not _subtree.guarded(bn)
+    assert _subtree.guarded(nn.BatchNorm1d(6))
 
     class Sub(scopedckpt.BatchNorm1d):  # its own forward: the guard takes it
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return super().forward(x)
 
-    assert _module_state.guarded(Sub(6))
+    assert _subtree.guarded(Sub(6))
     assert_checkpoint_equivalent(Sub(6), torch.randn(4, 6), targets=[], steps=2,
                                  require_regions=False)  # fmt: skip
 
@@ -359,7 +359,7 @@ def test_the_class_cache_forgets_classes_made_at_run_time() -> None:
 
 class InALambda(nn.Module):
     """Runs ``inner`` as a region of a lambda: a region over no module, which only the
-    buffer guard keeps (NOTE [ unguarded writes ] copies the subtrees of modules)."""
+    buffer guard keeps at the calls (a region over a module copies its subtree at its start)."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()

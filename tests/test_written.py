@@ -1,6 +1,7 @@
-"""Parameters and buffers a region's forward writes outside the buffer guard's view:
-buffers replayed exactly from copies, parameters and unforeseen writes refused before
-any backward (NOTE [ unguarded writes ] in ``_written.py``; issue 25, holes 3 and 4)."""
+"""Parameters and buffers a region's forward writes outside its modules' own calls:
+buffers replayed exactly from the buffer guard's copies of the region's subtree (NOTE [
+buffer guard ]), parameters from copies where they were seen to change, and refused
+before any backward where not (NOTE [ written parameters ] in ``_written.py``)."""
 
 from __future__ import annotations
 
@@ -316,19 +317,19 @@ def test_the_recompute_swaps_copies_in_and_puts_the_real_buffers_back(
         assert torch.equal(b, values) and b._version == version
 
 
-def test_the_same_models_without_the_mechanism_are_silently_wrong() -> None:
-    """Why the copies: without them the recompute reads the pushed bank (hole 4)."""
-    from scopedckpt.core import _mechanisms
-    from scopedckpt.mechanisms import _written
+def test_the_same_models_without_the_subtree_s_copies_are_silently_wrong(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Why the guard copies the whole subtree when a region starts: without it the
+    recompute reads the pushed bank."""
+    from scopedckpt.mechanisms import _guard
 
     plain = _train(_model(WithBank), None, steps=1)
-    mechanisms = _mechanisms.MECHANISMS
-    _mechanisms.MECHANISMS = tuple(m for m in mechanisms if m is not _written)
+    monkeypatch.setattr(_guard, "record_subtree", lambda *_: None)
     previous = scopedckpt.set_verification_sampling(0)
     try:
         checkpointed = _train(_model(WithBank), lambda m: (m[1],), steps=1)
     finally:
-        _mechanisms.MECHANISMS = mechanisms
         scopedckpt.set_verification_sampling(previous)
     assert not _equal(checkpointed, plain)
 
@@ -371,26 +372,22 @@ class SometimesPushes(WithBank):
         return out
 
 
-def test_a_write_the_first_step_did_not_make_is_refused_naming_it() -> None:
-    """No copy was taken: refused before any backward, naming the buffer, the module and
-    the fix; taken from the next region on."""
-    model = _model(SometimesPushes)
-    x = torch.randn(3, 4)
-    with scopedckpt.checkpointing(model[1], root=model):
-        model(x).sum().backward()
+def test_a_write_the_first_steps_did_not_make_is_replayed_exactly() -> None:
+    """A bank pushed through a method from step 3 on (a warm-up switch): exact on every
+    step, nothing to learn first."""
+
+    def train(regions: Callable[[nn.Sequential], tuple[nn.Module, ...]] | None) -> list:
+        model = _model(SometimesPushes)
+        seen = _train(model, regions, steps=2)
         model[1].push_now = True
-        with pytest.raises(scopedckpt.ScopedCkptError) as error:
-            model(x)
-        message = str(error.value)
-        assert "'1' (SometimesPushes)" in message  # the region
-        assert "buffer 'queue' of '1.bank' (CalledBank)" in message
-        assert "never called" in message and "in the first step as well" in message
-        model(x).sum().backward()  # copied now
+        return seen + _train(model, regions, steps=4)
+
+    assert _equal(train(lambda m: (m[1],)), train(None))
 
 
-def test_learned_writes_are_copied_and_untouched_buffers_are_not() -> None:
-    """The first region over a module copies every guarded buffer of its subtree; later
-    ones only those written: the memory report counts what stays on the tape."""
+def test_every_buffer_of_the_subtree_is_copied_once_per_region() -> None:
+    """Every region over a module copies each guarded buffer of its subtree once, called
+    or not: the memory report counts what stays on the tape."""
     model = _model(Holder)
     x = torch.randn(3, 4)
     rows = []
@@ -400,19 +397,9 @@ def test_learned_writes_are_copied_and_untouched_buffers_are_not() -> None:
                 loss = model(x).sum()
             loss.backward()
         rows.append(report.rows[0]["kept_bytes"])
-    norm = model[1].norm
-    guard = sum(b.nbytes for b in norm.buffers())  # the guard's copies
-    counter = norm.num_batches_tracked.nbytes
-    # Both steps keep the guard's copies and a copy of the counter; Holder.extra's
-    # constant is copied on the first step only, and not kept.
-    assert rows[0] == rows[1]
-    from scopedckpt.core._subtree import subtree
-
-    # Batch norm's kernel updates the running statistics without moving their versions:
-    # only the counter shows (the guard keeps all three, at each call).
-    assert subtree(model[1]).written == {("norm", "num_batches_tracked")}
+    copies = sum(b.nbytes for b in model[1].buffers())  # the norm's and extra's
     stash = torch.get_rng_state().nbytes
-    assert rows[0] == 3 * 4 * 4 + stash + guard + counter  # the input, RNG stash, copies
+    assert rows[0] == rows[1] == 3 * 4 * 4 + stash + copies  # the input, RNG stash, copies
 
 
 class Holder(nn.Module):
@@ -511,4 +498,3 @@ def test_a_buffer_assigned_under_its_own_name_keeps_the_listing() -> None:
         listings.append(_subtree.subtree(model[1]))
     assert listings[0] is listings[1] is listings[2]
     assert not listings[0].learning
-    assert listings[0].written == {("1", "steps")}

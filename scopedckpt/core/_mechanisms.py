@@ -33,11 +33,13 @@ mechanism         tape                        frame
 ``_rng``          generators' states          recomputes start from them
 ``_generators``   explicit ones' states       recomputes start from them;
                                               watched first forwards find them
-``_written``      written buffers' copies     recomputes: copies swapped in
+``_written``      changed parameters' copies  recomputes: copies swapped in
 ``_hooks``        user hooks that changed     first forward: recorded; recomputes
                   tensors                     run only those (NOTE [ hooks in
                                               recomputes ])
-``_guard``        module states, first calls  recomputes: copies swapped in
+``_guard``        module states: the subtree  recomputes: copies swapped in
+                  at the start, others at
+                  their first call
 ``_selective``    kept op outputs             recorded, or served
 ``_report``       a memory_report row         saved tensors counted, time taken
 ``_verify``       fingerprints (bitwise)      first forward: fingerprints taken

@@ -1,12 +1,12 @@
 """The tensors and layers of a module's subtree, listed once per module.
 
 Region mechanisms that look at a region's whole module subtree at every region
-(``_written``, ``_early_stop``, ``_generators``) read it here: listing a subtree walks every
+(the buffer guard, ``_written``, ``_early_stop``, ``_world``) read it here: listing a subtree walks every
 submodule, and regions start at every step. A listing is made again when any
 module registers a parameter, buffer or submodule (torch's global registration
 hooks, installed at the first listing), or when the module at that id is
-another one; what a mechanism learns about a subtree (``Listing.written``) goes
-with its listing. A listing refers to modules weakly and goes when its module
+another one; what a mechanism learns about a subtree (``Listing.written_parameters``)
+goes with its listing. A listing refers to modules weakly and goes when its module
 goes: it keeps no model alive.
 """
 
@@ -49,7 +49,7 @@ _CLASSES: dict[int, tuple[bool | None, weakref.ref[type]]] = {}
 
 def self_guarded(forward: Callable[..., Any]) -> Callable[..., Any]:
     """Mark a forward that keeps its module's buffers itself (scoped batch norm): the
-    buffer guard leaves its calls alone, and ``_written`` its buffers."""
+    buffer guard leaves its calls and its buffers alone."""
     _SELF_GUARDED.add(forward)
     _CLASSES.clear()
     return forward
@@ -96,9 +96,8 @@ class Listing:
     # the indices of the parameters a module registering them may write in its forward
     # (any but torch's and scopedckpt's own layers, and embeddings with max_norm)
     writable: tuple[int, ...]
-    # (module's qualified name, module, buffer name) of each buffer of a module the buffer
-    # guard guards when called (scoped batch norm keeps its own)
-    buffers: tuple[tuple[str, weakref.ref[nn.Module], str], ...]
+    # the modules the buffer guard guards (scoped batch norm keeps its own buffers)
+    guarded: tuple[weakref.ref[nn.Module], ...]
     late: tuple[weakref.ref[nn.Module], ...]  # its LATE_WRITERS layers
     # _generators: its modules' attributes that held generators (NOTE [ explicit
     # generators ]; followed at each use: they may be reassigned)
@@ -110,10 +109,8 @@ class Listing:
     # _hooks: every module's forward pre-hook and hook dicts, empty or not (NOTE [ hooks
     # in recomputes ] in _hooks.py: hooks come and go without a registration)
     hook_dicts: tuple[dict[int, Any], ...]
-    # _written: the buffers (module's qualified name, buffer name) and parameters (indices)
-    # regions over this module were seen to write, and whether they still copy all of
-    # them (until one is recomputed)
-    written: frozenset[tuple[str, str]] = frozenset()
+    # _written: the parameters (indices) regions over this module were seen to change, and
+    # whether they still copy all that may be changed (until one is recomputed)
     written_parameters: frozenset[int] = frozenset()
     learning: bool = True
     # _written: the parameters as registered at a first forward with no copies swapped in
@@ -236,13 +233,7 @@ def subtree(owner: nn.Module) -> Listing:
                     writers.add(id(p))
     slots = tuple(tuple(registered[id(p)]) for _, p in named)
     writable = tuple(i for i, (_, p) in enumerate(named) if id(p) in writers)
-    buffers = tuple(
-        (qualified, weak[id(module)], name)
-        for qualified, module in modules
-        if guarded(module)
-        for name, b in module_buffers(module).items()
-        if b is not None
-    )
+    guarded_modules = tuple(weak[id(m)] for _, m in modules if guarded(m))
     late = tuple(weak[id(m)] for _, m in modules if isinstance(m, LATE_WRITERS))
     registrations = tuple(
         d for _, m in modules for d in (module_parameters(m), module_buffers(m)) if d
@@ -257,7 +248,7 @@ def subtree(owner: nn.Module) -> Listing:
         parameters,
         slots,
         writable,
-        buffers,
+        guarded_modules,
         late,
         generators,
         registrations,

@@ -107,13 +107,10 @@ def _hashed_keep(seed: int, threshold: int, keep: Tensor) -> None:
     the threshold as in NOTE [ mask bits ].
 
     Why: the Mersenne Twister runs sequentially, one element after another, and
-    on CPU its cost per element rises from about 2.5 ns to 6 ns between 65,536
-    and 98,304 elements (measured, one process, heap pages already mapped). The
+    on CPU its cost per element more than doubles past 65,536 elements; the
     hash is fifteen element-wise ATen ops per chunk (integer multiply, shift,
-    mask, xor), about 3.5 ns per element at every size: 360 us against 594 at
-    98,304 elements, 429 against 706 at 131,072, 3.8 ms against 5.8 at 2**20
-    (interleaved ``timeit``, two threads); at 65,536 the Twister was faster
-    (168 against 251, the hash in one chunk). Each word is a pure function of
+    mask, xor), one cost per element at every size, which undercuts the
+    Twister's from ``HASHED_FROM_ELEMENTS`` on. Each word is a pure function of
     the seed and its index, so the chunks and the thread count cannot change
     the bits. A chunk is a quarter of the words, at most ``_HASH_CHUNK_WORDS``
     (two 256 KiB buffers): the draw holds at most 3 bytes per element, as the
@@ -184,9 +181,7 @@ def _threshold(p: float) -> int:
     sequential stream, so the bits are those of one draw (tested); on CUDA
     each ``random_`` starts at a new Philox offset, so the bits depend on the
     split, which depends on the shape alone. The second piece costs a
-    ``random_`` and a compare more: measured on CPU, one thread, 10 us for
-    65,536 elements (158 against 148) and 12 us for 131,072 (297 against
-    285).
+    ``random_`` and a compare more.
     """
     keep = min(round((1.0 - p) * 2.0**32), (1 << 32) - 1)
     return keep - (1 << 31)

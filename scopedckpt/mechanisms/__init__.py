@@ -23,10 +23,8 @@ from . import (
 
 # Started and entered in this order, undone in reverse. The report starts last: a
 # mechanism refusing the region at its start (a save= policy that cannot apply) leaves
-# no row. _written before _guard: a recompute's guard puts back the buffers it swapped,
-# some of them over _written's copies, before _written puts back the real ones. A new
-# mechanism: a module and a name here (or, for an integration, a register_mechanism
-# call in its package).
+# no row. A new mechanism: a module and a name here (or, for an integration, a
+# register_mechanism call in its package).
 _ORDER: tuple[Mechanism, ...] = (  # mypy checks each module against the protocol
     _strict,
     _inputs,

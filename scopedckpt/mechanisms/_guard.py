@@ -20,43 +20,48 @@ as the first forward did:
   recompute hooks nothing (selective saving, which numbers its module calls,
   excepted).
 * *What is guarded:* the registered buffers (``module._buffers``) of every
-  module called through ``__call__`` inside a region, and of the region's
-  owner module itself, each with those of its guarded submodules: a forward
-  may write a submodule's buffers without calling it, and without moving their
-  versions (QAT's ``FusedMovingAvgObsFakeQuantize`` updates, and at its first
-  call resizes, its observer child's ``min_val``/``max_val`` in its fused op);
-  plus any state a module exposes through the :class:`Stateful` protocol.
-  *Not guarded here:* plain Python attributes (NOTE [ forward's world ]),
-  tensors that are not registered buffers, globals, buffers a module registers
-  during its own call (the guard looks before the call): use
-  :func:`scopedckpt.replay` or the protocol for those. Buffers of the region's
-  module subtree written outside their module's own call (through a method, by
-  another module), and parameters changed in place, are replayed from copies
-  taken at the region's start (NOTE [ unguarded writes ] in ``_written.py``).
-  torch's lazy modules keep placeholders until their first call fills them;
-  the guard fills them itself first (``initialize_lazy`` in
-  ``_module_state.py``).
-* First forward: before its first guarded call in the region, a module's
-  buffers are copied (with its submodules', where it has children) and its
-  :class:`Stateful` snapshot taken, on the tape. All of them, not only those
-  the call changes: a buffer one call leaves bitwise unchanged (a running
-  variance whose update rounds back to itself) may be updated by a later one.
-  The cost is a copy of each called module's buffers per region, kept until
-  backward; modules without buffers (most) cost nothing.
+  module of the region's subtree (where it runs a module: its owner, the module
+  it calls, or the layer of a bound method or ``partial``), called or not, and
+  of every other module called through ``__call__`` inside the region, each with
+  those of its guarded submodules: a forward may write a submodule's buffers
+  without calling it, and without moving their versions (QAT's
+  ``FusedMovingAvgObsFakeQuantize`` updates, and at its first call resizes, its
+  observer child's ``min_val``/``max_val`` in its fused op), and a memory bank
+  is pushed through a method (``self.bank.push(k)``); plus any state a module
+  exposes through the :class:`Stateful` protocol. *Not guarded here:* plain
+  Python attributes (NOTE [ forward's world ]), tensors that are not registered
+  buffers, globals, buffers of modules outside the subtree that the region
+  writes without calling them, buffers a module registers during its own call
+  (the guard looks before the call): use :func:`scopedckpt.replay` or the
+  protocol for those. Parameters changed in place are ``_written.py``'s (NOTE [
+  written parameters ]). torch's lazy modules keep placeholders until their
+  first call fills them; the guard fills them itself first
+  (``initialize_lazy`` in ``_module_state.py``).
+* First forward: when the region starts, the buffers of its subtree's guarded
+  modules are copied and their :class:`Stateful` snapshots taken, on the tape;
+  before its first guarded call in the region, so are those of a module not
+  recorded yet (with its submodules', where it has children). All of them, not
+  only those the forward changes: a buffer one call leaves bitwise unchanged (a
+  running variance whose update rounds back to itself) may be updated by a
+  later one. The cost is a copy of each such module's buffers per region, kept
+  until backward (a region over a bound method of a whole model copies every
+  buffer of the model); modules without buffers (most) cost nothing.
 * Recompute: when it starts, every buffer of those modules is swapped for a
-  copy of its value before the module's first call, and each snapshot is put
-  back (``swap_in_first``); the real ones go back when it ends, on early stop
-  and errors too. Its calls update the copies as the first forward's updated
-  the real ones, so before, between and after calls it reads what the first
-  forward read: QAT's ``ConvBn2d`` reads ``bn.running_var`` before calling
-  ``bn``, a fake quant reads its observer's statistics after calling it, and
-  a module called twice reads its first call's update. Buffers the unguarded
-  writes swapped keep their copies, of the values at the region's start.
-  Swapping objects rather than copying values also keeps the real buffers'
-  version counters, which the first forward's graph may have saved. A module
-  with buffers that only the recompute calls updates its real buffers: the
-  region's control flow changed between forward and backward, which the path
-  check (NOTE [ light check ]) or verification names, and strict mode always.
+  copy of its recorded value, and each snapshot is put back
+  (``swap_in_first``); the real ones go back when it ends, on early stop and
+  errors too. Its calls update the copies as the first forward's updated the
+  real ones, so before, between and after calls it reads what the first forward
+  read: QAT's ``ConvBn2d`` reads ``bn.running_var`` before calling ``bn``, a
+  fake quant reads its observer's statistics after calling it, and a module
+  called twice reads its first call's update. A region nested in another runs
+  its forward again inside the outer one's recompute: there it leaves alone the
+  buffers the outer one swapped (``SWAPPED``), whose copies hold the values its
+  first forward found and must take its writes. Swapping objects rather than
+  copying values also keeps the real buffers' version counters, which the first
+  forward's graph may have saved. A module with buffers that only the recompute
+  calls updates its real buffers: the region's control flow changed between
+  forward and backward, which the path check (NOTE [ light check ]) or
+  verification names, and strict mode always.
 * Scoped batch norm guards itself (throwaway running buffers, no copies), so
   the guard skips it: the fast path stays fast. Its statistics read outside
   its call (``convert`` run on a QAT-fused ``ConvBn2d``) are the real ones:
@@ -71,16 +76,11 @@ Compiled code run by an eager region (a compiled block inside
 ``scopedckpt.checkpoint``, or any recompute of one) calls the guard's
 global hooks while dynamo traces. Its work is never traced: in compiled code
 a hook either returns (no eager frame in this thread: nothing to guard) or
-calls itself again through ``torch.compiler.disable``. Traced, the hook
-graph-broke at ``FRAME.get()`` and dynamo compiled the bookkeeping after it
-(``guarded``, the call counting, ``enter``) as frames of their own, specialised
-on this package's mutable dicts (the class cache, a frame's call counts, the
-tape's states). Which of
-them a compiled frame got right depended on what earlier calls had left in
-those dicts: ``test_compiled_code_inside_an_eager_region_takes_the_eager_path``
-updated an unconverted batch norm twice when run after the graph-break test,
-and not alone. ``test_the_guards_work_is_never_traced`` checks the guard runs
-untraced (mutant ``guard_hook_traced_by_dynamo``).
+calls itself again through ``torch.compiler.disable``. Traced, the hook would
+graph-break at ``FRAME.get()`` and dynamo compile the bookkeeping after it as
+frames of their own, specialised on this package's mutable dicts (the class
+cache, a frame's call counts, the tape's states): right or wrong depending on
+what earlier calls had left in them.
 """
 
 from __future__ import annotations
@@ -96,12 +96,14 @@ from torch import nn
 from ..core._own_ops import internal
 from ..core._paths import BREAK, EAGER, frame_entered, frame_left, where
 from ..core._state import FORWARD, FRAME, RECOMPUTE, Frame, RegionCall, Tape
+from ..core._subtree import guarded
 from ..core._torch_private import (
     GLOBAL_POST_HOOKS,
     GLOBAL_POST_HOOKS_ALWAYS_CALLED,
     GLOBAL_PRE_HOOKS,
 )
-from ._module_state import enter, exit_, guarded, initialize_lazy, swap_in_first
+from ._module_state import enter, exit_, initialize_lazy, record_subtree, swap_in_first
+from ._report import stats_of
 from ._selective import saves
 
 __all__ = [
@@ -109,7 +111,6 @@ __all__ = [
     "end",
     "enter_frame",
     "installed",
-    "modules_called",
     "start_region",
 ]
 
@@ -187,17 +188,15 @@ FRAME_PHASES = frozenset({FORWARD, RECOMPUTE})
 
 
 def start_region(tape: Tape, call: RegionCall) -> bool:
-    """The guard fills the tape's states and modes as the first forward calls modules: it
-    acts in every frame."""
+    """Record the state of the guarded modules of the region's subtree; the guard fills
+    the tape's states and modes further as the first forward calls modules: it acts in
+    every frame."""
     owner = call.owner
     if isinstance(owner, nn.Module):  # its forward runs without __call__ in the region
         tape.modes[id(owner)] = (owner, owner.training)
+    if call.listing is not None and call.listing.guarded:
+        record_subtree(tape.states, call.listing)
     return True
-
-
-def modules_called(tape: Tape) -> set[int]:
-    """The ids of the modules the region's first forward called (not its nested regions')."""
-    return set(tape.modes)
 
 
 def enter_frame(frame: Frame) -> Callable[..., None]:
@@ -214,6 +213,10 @@ def enter_frame(frame: Frame) -> Callable[..., None]:
     """
     frame_entered()
     if frame.phase is not RECOMPUTE:
+        stats = stats_of(frame.tape)
+        if stats is not None:  # the memory report's row counts the subtree's copies as kept
+            states = frame.tape.states.values()
+            stats.kept_bytes += sum(b.nbytes for state in states for _, b in state.buffers)
         # Strict mode's check and selective saving's module numbering see every call,
         # and after it too.
         every_call = frame.scope.strict or saves(frame.tape)

@@ -3,9 +3,9 @@ modules' buffers, ``Stateful`` snapshots, registrations.
 
 The buffer guard (NOTE [ buffer guard ] in ``_guard.py``) decides which calls
 are guarded and when; this module keeps their state: ``enter`` before a first
-forward's guarded call, ``exit_`` after it (strict mode), ``swap_in_first``
-when a recompute starts (which modules need it at all: ``guarded``, in
-``core/_subtree.py``).
+forward's guarded call, ``exit_`` after it (strict mode), ``record_subtree`` when a
+region over a module starts, ``swap_in_first`` when a recompute starts (which modules
+need it at all: ``guarded``, in ``core/_subtree.py``).
 ``swap`` and ``put_back`` are the one way the mechanisms swap a value into a
 dict (a registration, a module's ``__dict__``) for a recompute and undo it.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -25,7 +25,7 @@ from torch.nn.parameter import is_lazy
 from ..core._errors import ScopedCkptError
 from ..core._names import frame_region_name
 from ..core._state import Frame, module_path
-from ..core._subtree import guarded
+from ..core._subtree import Listing, subtree
 from ..core._torch_private import module_buffers
 from ._report import stats_of
 from ._verify import not_verified_statistics, verified_call
@@ -38,9 +38,9 @@ __all__ = [
     "Swapped",
     "enter",
     "exit_",
-    "guarded",
     "initialize_lazy",
     "put_back",
+    "record_subtree",
     "swap",
     "swap_in_first",
 ]
@@ -52,8 +52,9 @@ class Stateful(Protocol):
 
     A module whose forward changes state that is not a registered buffer (a
     Python counter, an object it owns) implements these two methods; inside
-    checkpoint regions scopedckpt then calls ``scopedckpt_state()`` before the
-    module's first call in a region's first forward, restores that snapshot with
+    checkpoint regions scopedckpt then calls ``scopedckpt_state()`` when a region over
+    the module (or a module holding it) starts, else before the module's first call in
+    a region's first forward, restores that snapshot with
     ``scopedckpt_restore(snapshot)`` when the region's recompute starts (its calls
     go on from it as the first forward's did), and puts back what it found when
     the recompute ends. The snapshot must not be changed by later calls: return
@@ -88,13 +89,12 @@ class Stateful(Protocol):
 @dataclass
 class ModuleState:
     """What a region's recompute starts one guarded module from (on the tape): its state
-    before its first call in the region's first forward."""
+    when the region started (a module of its subtree) or before the first call in the
+    region's first forward of it or of a module holding it."""
 
     module: nn.Module
-    buffers: list[tuple[str, Tensor]]  # every buffer's value before that call
+    buffers: list[tuple[str, Tensor]]  # every buffer's value then
     state: Any  # the Stateful snapshot, or MISSING
-    # its submodules' buffers' values before that call, as (holder, name, value)
-    nested: Sequence[tuple[nn.Module, str, Tensor]] = ()
 
 
 # What a dict held at each key a swap set, as (dict, key, value or MISSING), in order.
@@ -137,87 +137,96 @@ def _same(a: Any, b: Tensor) -> bool:
     return isinstance(a, Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
 
 
-def _nested(module: nn.Module) -> Sequence[tuple[nn.Module, str, Tensor]]:
-    """Copies of the buffers of ``module``'s guarded submodules, as (holder, name, copy).
-
-    A forward may write a submodule's buffers without calling it (QAT's fused fake
-    quant updates its observer child's statistics in its op, moving no version: NOTE [
-    buffer guard ]). A leaf (a batch norm) costs one look for children.
-    """
-    if next(module.children(), None) is None:
-        return ()
-    return [
-        (sub, name, b.clone())
-        for sub in module.modules()
-        if sub is not module and guarded(sub)
-        for name, b in module_buffers(sub).items()
-        if b is not None and not is_lazy(b)
-    ]
-
-
 def _copies(module: nn.Module) -> list[tuple[str, Tensor]]:
     return [(n, b.clone()) for n, b in module_buffers(module).items() if b is not None]
 
 
 def enter(frame: Frame, module: nn.Module) -> None:
-    """Before a guarded call of a first forward: at the module's first call in the region,
-    record its state (copies of its buffers and its submodules', its snapshot), which the
+    """Before a guarded call of a first forward: at the first call in the region of a
+    module not recorded yet, record it and its subtree (``record_subtree``), which the
     recompute starts from (``swap_in_first``); in strict mode, put copies to check the
     call against (``exit_``) on the frame's stack."""
     if verified_call(frame.tape) is not None:
         not_verified_statistics(module)
     states = frame.tape.states
-    saved: list[tuple[str, Tensor]] | None = None
     if id(module) not in states:
-        saved = _copies(module)
-        state = _snapshot(module) if _stateful(module) else MISSING
-        nested = _nested(module)
-        states[id(module)] = ModuleState(module, saved, state, nested)
+        copied = record_subtree(states, subtree(module))
         stats = stats_of(frame.tape)
         if stats is not None:  # the memory report's row counts the copies as kept
-            stats.kept_bytes += sum(tensor.nbytes for _, tensor in saved)
-            stats.kept_bytes += sum(tensor.nbytes for *_, tensor in nested)
+            stats.kept_bytes += copied
     if frame.scope.strict:
-        frame.guards.append((module, saved or _copies(module)))
+        frame.guards.append((module, _copies(module)))
+
+
+def record_subtree(states: dict[int, ModuleState], listing: Listing) -> int:
+    """Record the state of every guarded module of a subtree not recorded yet, called or
+    not (a forward may write their buffers without calling them: QAT's fused fake quant
+    updates its observer child's statistics in its op, a bank is pushed through a
+    method); returns the bytes copied.
+
+    When a region over a module starts, its subtree; at a first forward's first call of
+    a module outside it, that module's. A module with lazy buffers is recorded at its
+    first call instead, once initialized (``initialize_lazy``).
+    """
+    copied = 0
+    for ref in listing.guarded:
+        module = ref()
+        if module is None or id(module) in states:
+            continue
+        if any(is_lazy(b) for b in module_buffers(module).values() if b is not None):
+            continue
+        buffers = _copies(module)
+        state = _snapshot(module) if _stateful(module) else MISSING
+        states[id(module)] = ModuleState(module, buffers, state)
+        copied += sum(b.nbytes for _, b in buffers)
+    return copied
 
 
 # The tensors (module id, name) the recompute frames running in this context swapped
-# copies in for (NOTE [ unguarded writes ] in _written.py, which sets it): a nested
-# region's recompute writes on them, and swap_in_first leaves them.
+# copies in for (swap_in_first, and _written for parameters): a nested region's
+# recompute, run inside its parent's, writes on them and leaves them in place.
 SWAPPED: contextvars.ContextVar[frozenset[tuple[int, str]]] = contextvars.ContextVar(
     "scopedckpt_swapped", default=frozenset()
 )
 
 
 def swap_in_first(frame: Frame) -> Callable[[], None]:
-    """A recompute starts: swap copies in for the buffers of every module its first
-    forward called, of their values before the module's first call, and put back each
-    one's snapshot (NOTE [ buffer guard ]); returns what puts the real ones back.
+    """A recompute starts: swap copies in for the buffers of every module recorded, of
+    their recorded values, and put back each one's snapshot (NOTE [ buffer guard ]);
+    returns what puts the real ones back.
 
-    Buffers the unguarded writes swapped (``SWAPPED``) keep their copies.
+    Buffers an enclosing recompute swapped (``SWAPPED``) keep their copies.
     """
-    seen = set(SWAPPED.get())
+    swapped = SWAPPED.get()
+    seen = set(swapped)
     verified = verified_call(frame.tape) is not None
     found: Swapped = []
     states: list[tuple[nn.Module, Any]] = []  # (module, its state to put back)
-    for record in frame.tape.states.values():  # in the order of the first calls
-        own = ((record.module, name, before) for name, before in record.buffers)
-        for holder, name, before in (*own, *record.nested):
+    for record in frame.tape.states.values():  # in the order recorded
+        holder = record.module
+        for name, before in record.buffers:
             if (id(holder), name) in seen:
                 continue
             seen.add((id(holder), name))
             # A copy: a later recompute needs `before` again.
             swap(module_buffers(holder), name, before.clone(), found)
-            if verified:
-                not_verified_statistics(holder)
+        if verified and record.buffers:
+            not_verified_statistics(holder)
         if record.state is not MISSING:
             states.append((record.module, _snapshot(record.module)))
             _restore(record.module, record.state)
-    return functools.partial(_put_back, found, states)
+    token = SWAPPED.set(frozenset(seen)) if len(seen) > len(swapped) else None
+    return functools.partial(_put_back, found, states, token)
 
 
-def _put_back(found: Swapped, states: list[tuple[nn.Module, Any]]) -> None:
+def _put_back(
+    found: Swapped,
+    states: list[tuple[nn.Module, Any]],
+    token: contextvars.Token[frozenset[tuple[int, str]]] | None,
+) -> None:
     """Put back the states, then the buffers (independent: snapshots hold no buffer)."""
+    if token is not None:
+        SWAPPED.reset(token)
     for module, state in states:
         _restore(module, state)
     put_back(found)

@@ -41,9 +41,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from ..core._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape
-from ..core._torch_private import base_of, module_buffers, top_saved_tensors_hooks
+from ..core._subtree import Listing
+from ..core._torch_private import base_of, top_saved_tensors_hooks
 from ._rng import kept_bytes
 from ._selective import kept_tensors
 
@@ -197,24 +199,14 @@ def memory_report(root: torch.nn.Module | None = None) -> Iterator[MemoryReport]
             _ACTIVE.remove(report)
 
 
-def _buffer_storages(module: torch.nn.Module) -> frozenset[int]:
-    """The storages of every buffer of ``module`` and its submodules.
-
-    Walks ``children()`` rather than ``buffers()``, whose qualified names a
-    region per block paid for at every step.
-    """
-    storages: set[int] = set()
-    pending, visited = [module], set()
-    while pending:
-        current = pending.pop()
-        if id(current) in visited:
-            continue
-        visited.add(id(current))
-        for buffer in module_buffers(current).values():
-            if buffer is not None and buffer.layout is torch.strided:
-                storages.add(buffer.untyped_storage().data_ptr())
-        pending.extend(current.children())
-    return frozenset(storages)
+def _buffer_storages(listing: Listing) -> frozenset[int]:
+    """The storages of every buffer (and parameter) registered in a module's subtree."""
+    return frozenset(
+        t.untyped_storage().data_ptr()
+        for registered in listing.registrations
+        for t in registered.values()
+        if t is not None and t.layout is torch.strided and not is_lazy(t)
+    )
 
 
 def _name(owner: object | None, label: object, root: Any) -> str:
@@ -328,13 +320,12 @@ def start_region(tape: Tape, call: RegionCall) -> bool:
     for _, tensor, _ in call.tensors:  # its tensor arguments, positional then keyword
         if not isinstance(tensor, torch.nn.Parameter):
             stats.kept_bytes += _new_storage_bytes(stats._seen, tensor)
-    module = owner if owner is not None else label
-    if isinstance(module, torch.nn.Module):
-        # Its buffers stay alive whatever the region saves (parameters too: the
-        # pack hook tells them by type). A plain set: these live longer than
-        # the report, so they need no weak references (which cost more than the
-        # rest of this function on small blocks).
-        stats._buffers = _buffer_storages(module)
+    if call.listing is not None:
+        # The module's buffers stay alive whatever the region saves (parameters too: the
+        # pack hook tells them by type). A plain set: these live longer than the report,
+        # so they need no weak references (which cost more than the rest of this
+        # function on small blocks).
+        stats._buffers = _buffer_storages(call.listing)
     with _LOCK:
         for report in _ACTIVE:
             report.regions.append(stats)

@@ -34,7 +34,7 @@ bit, without keeping copies of the activations:
   saved tensor in place fails in plain training's backward), so a verified call
   keeps no activation alive that an unverified one frees (NOTE [ no cycle
   through the tape ]): it costs time, and its fingerprints' memory (which a
-  plan's peak does not count yet). Only tensors saved under ``F.rrelu`` (whose
+  plan's peak counts: NOTE [ peak model ]). Only tensors saved under ``F.rrelu`` (whose
   noise the kernel writes after autograd saved it, and which lives only as long
   as the op) are held strongly to the forward's end. The recomputed side is
   fingerprinted when torch checks, after the recompute.

@@ -52,14 +52,14 @@ Every backward recompute puts the recorded world in place where the present
 differs, runs, and puts the present back: what the recompute registers,
 assigns, draws or caches does not outlive it. A region replayed inside its parent's
 recompute leaves the world alone: the parent put it in place and recomputed
-it up to there, other mechanisms' copies included (NOTE [ unguarded writes ]),
+it up to there, other mechanisms' copies included (NOTE [ buffer guard ]),
 and the parent's later code reads what the replay writes, as in the first
 forward.
 
 Not recorded: containers changed in place (a list a hook appends to), objects
 outside the subtree (globals, another model's modules), plain function
-regions' attributes (they have no subtree), tensors' values (NOTE [ unguarded
-writes ] and the buffer guard keep those).
+regions' attributes (they have no subtree), tensors' values (NOTE [ written
+parameters ] and NOTE [ buffer guard ] keep those).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def enter_frame(frame: Frame) -> Callable[..., None] | None:
     if not frame.rewind:
         # Replayed inside its parent's recompute, which put the world in place at its
         # start and has recomputed it since, up to here: what differs now is other
-        # mechanisms' copies (NOTE [ unguarded writes ]), which the replay must use.
+        # mechanisms' copies (NOTE [ buffer guard ]), which the replay must use.
         return None
     if world.learning:
         _learn(world)
