@@ -82,4 +82,35 @@ def plan_summary(results: Results) -> list[str]:
     return [*table(header, rows), "", *notes, facts]
 
 
-TABLES = {"plan-summary": plan_summary}
+def compile_budget(results: Results) -> list[str]:
+    """compile_budget.json: every point's heap peak, step time and exactness, then each
+    budget point against the fastest plan at an equal or lower peak."""
+    data = results["compile_budget"]
+    header = ["model", "point", "peak MiB (heap)", "step / compiled step (95 %)", "exact"]
+    rows = [
+        [r["model"], p["label"], _mib(p["peak_bytes"]), f"{p['ratio']:.3f} ({interval(p['interval'])})",
+         "yes" if p["exact"] else "**no**"]
+        for r in data["rows"]
+        for p in r["points"]
+    ]  # fmt: skip
+    against = []
+    for r in data["rows"]:
+        for a in r["against"]:
+            cells = []
+            for kind in ("compiled plan", "eager plan"):
+                best = a[kind]
+                cells.append(
+                    "none fits"
+                    if best is None
+                    else f"{best['label']}: {best['ratio']:.3f} ({interval(best['interval'])})"
+                )
+            against.append([r["model"], a["budget"], _mib(a["peak_bytes"]), *cells])
+    head = ["model", "compile's budget point", "its peak MiB", "fastest compiled plan at or"]
+    head[-1] += " below it / budget point"
+    head.append("fastest eager plan at or below it / budget point")
+    quick = ["A quick run (`--quick`): fewer points and rounds."] if data.get("quick") else []
+    facts = f"torch threads: {data['threads']}; {data['interval']}."
+    return [*quick, *table(header, rows, left=2), "", *table(head, against, left=2), "", facts]
+
+
+TABLES = {"plan-summary": plan_summary, "compile-budget": compile_budget}

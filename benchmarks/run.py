@@ -7,7 +7,8 @@ Run by hand from the repository root (not part of the test suite)::
 
 ``--compiled`` runs only the torch.compile section instead (:mod:`benchmarks.compiled`),
 ``--selective`` only the selective-saving trade-off (:mod:`benchmarks.selective`),
-``--plan`` only the memory-budget planner against torch's strategies (:mod:`benchmarks.plan`),
+``--plan`` only the memory-budget planner against torch's strategies (:mod:`benchmarks.plan`)
+and against torch.compile's activation memory budget (:mod:`benchmarks.compile_budget`),
 ``--fixed-heap`` only the step-time table with glibc's heap trimming and dynamic
 mmap threshold off in the workers (``FIXED_HEAP``, ``results/fixed_heap.json``).
 
@@ -227,7 +228,7 @@ def main() -> None:
     parser.add_argument(
         "--plan",
         action="store_true",
-        help="only the memory-budget planner against torch's strategies (plan.py)",
+        help="only the memory-budget planner against torch's strategies and compile's budget",
     )
     parser.add_argument(
         "--fixed-heap",
@@ -249,9 +250,10 @@ def main() -> None:
 
         selective.main(args.quick)
     elif args.plan:
-        from . import plan
+        from . import compile_budget, plan
 
         plan.main(args.quick)
+        compile_budget.main(args.quick)
     elif args.fixed_heap:
         repeats, depths = (3, (4, 8)) if args.quick else (21, (4, 8, 16, 32))
         run_fixed_heap(depths, repeats, args.quick)

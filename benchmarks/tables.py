@@ -339,6 +339,7 @@ WRITTEN_BY = {
     "threads": "python -m benchmarks.threads",
     "verify": "python -m benchmarks.verify",
     "plan": "python -m benchmarks.run --plan",
+    "compile_budget": "python -m benchmarks.compile_budget",
 }
 
 

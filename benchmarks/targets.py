@@ -114,8 +114,8 @@ TARGETS = (
            _plan_key("dominated", count=True), 0, 0),
     Target("measured peak within 10 % of the predicted, every plan", "plan",
            _plan_key("worst_peak_error"), 0.10),
-    Target("planning (profile + solve) ≤ 3 steps without checkpointing", "plan",
-           _plan_key("planning_steps"), 3.0, 2),
+    Target("planning (profile + solve) ≤ 2 steps without checkpointing", "plan",
+           _plan_key("planning_steps"), 2.0, 2),
     Target("the solver on 200 blocks ≤ 1 s", "plan", _solver, 1.0),
 )  # fmt: skip
 

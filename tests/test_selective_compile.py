@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 import scopedckpt
 from scopedckpt import policies
 
-from .test_compile import INPUTS, Calls, _assert_equal, _build, _tracked, _train
+from .test_compile import INPUTS, STEPS, Calls, _assert_equal, _build, _tracked, _train
 
 pytestmark = [
     pytest.mark.slow,
@@ -149,8 +151,9 @@ def test_checkpoint_save_inside_compiled_code_compiles_in_one_graph() -> None:
     assert stats == {"graphs": 1, "breaks": 0}
 
 
-def _backward_graph_addmms(save: object) -> int:
-    """How many addmm (a linear's forward) the compiled backward graph recomputes."""
+def _backward_graph_addmms(save: object, planned: tuple[object, ...] | None = None) -> int:
+    """How many addmm (a linear's forward) the compiled backward graph recomputes, with
+    ``save`` for every block, or ``planned``: each block's ``save=`` as a plan says it."""
     from torch._dynamo.backends.common import aot_autograd
 
     found: list[int] = []
@@ -175,11 +178,55 @@ def _backward_graph_addmms(save: object) -> int:
 
     torch._dynamo.reset()
     compiled = torch.compile(run, backend=backend, fullgraph=True)
-    with scopedckpt.checkpointing(blocks, save=save):
+    targets = blocks if planned is None else _Planned(list(zip(blocks, planned)))
+    with scopedckpt.checkpointing(targets, save=save):
         compiled(torch.randn(4, 8, requires_grad=True)).sum().backward()
     return sum(found)
 
 
+class _Planned:
+    """Regions as a plan says them: each module with its ``save=`` (None: a full region)."""
+
+    def __init__(self, regions: list[tuple[nn.Module, object]]) -> None:
+        self.regions = regions
+
+    def __checkpoint_regions__(self) -> tuple[None, list[tuple[nn.Module, object]]]:
+        return None, self.regions
+
+
+@pytest.mark.parametrize("name", sorted(INPUTS))
+def test_a_plan_mixing_presets_compiles_in_one_graph_and_stays_exact(name: str) -> None:
+    """Each block's policy as the plan says it, read in the graph: no graph break, and
+    bitwise the compiled model without regions (inductor: same kernels, same masks)."""
+    model, x = _build(name)
+    plain, _ = _train(model, x, "none")
+    torch._dynamo.reset()
+    counters.clear()
+    model = copy.deepcopy(model)
+    compiled = torch.compile(model, fullgraph=True)
+    planned = _Planned([(model.blocks[0], None), (model.blocks[1], policies.save_compute)])
+    produced: list[torch.Tensor] = []
+    for seed in range(STEPS):
+        torch.manual_seed(100 + seed)
+        with scopedckpt.checkpointing(planned):
+            loss = compiled(x).square().mean()
+        loss.backward()
+        produced.append(loss.detach())
+        produced.extend(p.grad.clone() for p in model.parameters())
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+                p.grad = None
+    produced.extend(b.clone() for b in model.buffers())
+    produced.append(torch.get_rng_state())
+    _assert_equal(produced, plain)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not sum(counters["graph_break"].values())
+
+
 def test_compiled_regions_really_keep_what_the_policy_selects() -> None:
-    assert _backward_graph_addmms(None) > 0  # full recompute reruns the linears
+    full = _backward_graph_addmms(None)
+    assert full > 0  # full recompute reruns the linears
     assert _backward_graph_addmms(policies.save_matmuls) == 0
+    # A plan's: the first block keeps its linears, the second reruns its own.
+    assert 0 < _backward_graph_addmms(None, (policies.save_matmuls, None)) < full

@@ -22,7 +22,10 @@ It does not need it either:
   (measured: an eager ``checkpointing`` exit took the traced branch).
 * Scopes become a per-thread mirror, ``_paths.MIRROR`` (a
   ``threading.local``): two bools that compiled code reads and dynamo guards
-  on, per thread (one graph per value, no recompile per step).
+  on, per thread (one graph per value, no recompile per step), the innermost
+  block's ``save=`` policy, and a plan's policy of each module by id
+  (``planned``: every region of a plan compiles with its own preset, one graph
+  per plan).
   ``regions``: this thread is inside an enabled ``checkpointing()`` block; a
   block entered inside a compiled function sets it at trace time. ``eager``:
   this thread runs an eager region frame. A process-wide mirror was tried
@@ -135,10 +138,9 @@ def compiled_region(
         )
     if options.save is not None:
         key, modules = _traced_policy_info(options.save)
-    elif MIRROR.planned:
-        # A plan's regions differ in policy, which only the eager scope can tell per
-        # module (Scope.policy_for): an eager region, a graph break.
-        return _eager_policy_region(fn, owner, args, kwargs, options)
+    elif MIRROR.planned is not None and id(owner) in MIRROR.planned:
+        # A plan's region: its module's policy, as the eager block mirrored it.
+        key, modules = MIRROR.planned[id(owner)]
     elif MIRROR.save is None:
         key, modules = -1, False
     else:  # the innermost block's policy, parsed

@@ -59,9 +59,9 @@ class CompiledView(threading.local):
         self.enabled_blocks = 0  # behind ``regions`` (eager code only)
         self.frames = 0  # behind ``eager`` (eager code only)
         self.save: Any = None  # the innermost block's _policy.SavePolicy, or None
-        # The innermost block applies a plan whose regions differ in policy (compiled
-        # regions then leave the graph to ask the scope: Scope.policy_for).
-        self.planned = False
+        # The innermost block applies a plan whose regions differ in policy: each module's,
+        # by id, as (policy key, whether it selects modules), key -1 for a full region.
+        self.planned: dict[int, tuple[int, bool]] | None = None
 
 
 MIRROR = CompiledView()
@@ -116,11 +116,11 @@ def region_path(scope: Scope | None = None) -> Path:
     return Path.EAGER
 
 
-def enter_block(delta: int, save: Any, planned: bool = False) -> Any:
+def enter_block(delta: int, save: Any, planned: dict[int, tuple[int, bool]] | None = None) -> Any:
     """An eager ``checkpointing()`` block is entered; ``delta``: how it changes the number
     of enabled blocks (an enabled block nested in an enabled one counts once, a
     disabled one in an enabled one takes one away); ``planned``: its regions' policies
-    differ per module (``MIRROR.planned``). Returns what :func:`exit_block` takes to
+    by module, where they differ (``MIRROR.planned``). Returns what :func:`exit_block` takes to
     put the mirror back."""
     MIRROR.enabled_blocks += delta
     MIRROR.regions = MIRROR.enabled_blocks > 0

@@ -16,7 +16,7 @@ from ._errors import ScopedCkptError
 from ._names import article
 from ._options import DETERMINISM_CHECKS
 from ._paths import EAGER, enter_block, exit_block, where
-from ._policy import SavePolicy, as_policy
+from ._policy import SavePolicy, as_policy, traced_policy_info
 from ._state import SCOPE, Scope
 
 __all__ = ["checkpointing"]
@@ -234,9 +234,9 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         )
         delta = int(self._enabled) - int(parent.enabled)
         token = SCOPE.set(scope)
-        planned = bool(saves) and (
-            scope.save is not None or any(p is not None for p in saves.values())
-        )
+        planned = None
+        if saves and (scope.save is not None or any(p is not None for p in saves.values())):
+            planned = {key: traced_policy_info(policy) for key, policy in saves.items()}
         self._entries.append((token, patches, enter_block(delta, scope.save, planned)))
         return self
 

@@ -27,9 +27,9 @@ Everything that makes a recompute exact lives on a *tape*, one per region.
 * ``checkpointing(enabled=False)`` only stops *new* regions from starting; a
   frame already active stays, so layers inside keep recording and replaying.
 * Besides the call-ordered records, a tape holds the default generators' states
-  at the region's start (NOTE [ RNG replay ] in ``_rng.py``) and the states of
-  modules whose buffers the first forward changed, keyed by module and call
-  index (NOTE [ buffer guard ] in ``_guard.py``).
+  at the region's start (NOTE [ RNG replay ] in ``_rng.py``) and copies of the
+  state of modules with buffers, keyed by module: its subtree's at its start,
+  others' at their first call (NOTE [ buffer guard ] in ``_guard.py``).
 """
 
 from __future__ import annotations
