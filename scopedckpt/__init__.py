@@ -47,6 +47,7 @@ from .layers._layers import (
 from .mechanisms._module_state import Stateful
 from .mechanisms._report import MemoryReport, memory_report
 from .planner._measure import measure_peak
+from .planner._peak import PeakReport, peak_report
 from .planner._plan import Plan, plan
 
 __version__ = "0.1.0"
@@ -63,6 +64,7 @@ __all__ = [
     "Dropout3d",
     "FeatureAlphaDropout",
     "MemoryReport",
+    "PeakReport",
     "Phase",
     "Plan",
     "ScopedCkptError",
@@ -76,6 +78,7 @@ __all__ = [
     "is_recomputing",
     "measure_peak",
     "memory_report",
+    "peak_report",
     "phase",
     "plan",
     "policies",

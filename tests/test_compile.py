@@ -104,12 +104,14 @@ def _train(
     retain_graph: bool = False,
     fullgraph: bool = True,
     save: object = None,
+    targets: Callable[[Stack], object] | None = None,
 ) -> tuple[list[torch.Tensor], dict[str, int]]:
     """Train a copy compiled (fullgraph), return everything it produced and dynamo's counts.
 
     ``where``: ``"none"`` (no scope), ``"outside"`` (``checkpointing(model.blocks)``
     around the compiled call), ``"nested"`` (also each block's first child), ``"inside"`` / ``"inside-off"`` (the block inside the
-    compiled step, enabled or not), ``"calls"`` (the model calls checkpoint itself).
+    compiled step, enabled or not), ``"calls"`` (the model calls checkpoint itself);
+    ``targets``: what ``"outside"`` checkpoints instead of the blocks (of the copy).
     """
     torch._dynamo.reset()
     counters.clear()
@@ -128,7 +130,8 @@ def _train(
             loss = step(x)
         elif where in ("outside", "nested"):
             inner = [next(block.children()) for block in model.blocks] if where == "nested" else []
-            with scopedckpt.checkpointing(model.blocks, *inner, save=save):
+            outer = model.blocks if targets is None else targets(model)
+            with scopedckpt.checkpointing(outer, *inner, save=save):
                 loss = compiled(x).square().mean()
         else:
             with scopedckpt.checkpointing(enabled=where == "calls", save=save):

@@ -30,7 +30,6 @@ the forward ends: an additive split, since a storage has one creator.
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -89,7 +88,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(
         self,
-        observe: Callable[[Any, Any, float], None] | None = None,
+        observe: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], None] | None = None,
         before: Callable[[Any, tuple[Any, ...], dict[str, Any]], None] | None = None,
         freed: Callable[[int, int], None] | None = None,
     ) -> None:
@@ -99,7 +98,7 @@ class LiveBytes(TorchDispatchMode):
         self.ops = 0  # ops seen
         self.tag = OUTSIDE
         self.by_tag: dict[int, int] = {}
-        self.observe = observe  # called (func, output, seconds) after every op
+        self.observe = observe  # called (func, args, kwargs, output) after every op
         self.before = before  # called (func, args, kwargs) before every op
         self.freed = freed  # called (serial, bytes) when a counted storage is freed
         self._lock = threading.Lock()
@@ -127,9 +126,7 @@ class LiveBytes(TorchDispatchMode):
         self.ops += 1
         if self.before is not None:
             self.before(func, args, kwargs)
-        start = time.perf_counter()
         out = func(*args, **kwargs)
-        seconds = time.perf_counter() - start
         aliasing = self._aliasing.get(func)
         if aliasing is None:
             aliasing = self._aliasing[func] = op_schema_facts(func)[1]
@@ -137,7 +134,7 @@ class LiveBytes(TorchDispatchMode):
             # A view or an in-place result is its argument's storage: nothing new.
             self._count(storage, new=not aliasing)
         if self.observe is not None:
-            self.observe(func, out, seconds)
+            self.observe(func, args, kwargs, out)
         return out
 
     def _count(self, storage: torch.UntypedStorage, new: bool) -> None:

@@ -27,15 +27,17 @@ from ._solve import solve
 
 __all__ = ["Plan", "PlannedBlock", "choose", "format_table", "plan"]
 
-_FORMAT = 1  # the version of Plan.to_json's format
+_FORMAT = 2  # the version of Plan.to_json's format
 # The Plan fields to_json stores as they are, each with the type from_json reads it as.
 _STORED: dict[str, Callable[[Any], Any]] = {
     "budget": int,
     "peak": int,
     "no_checkpoint_peak": int,
     "smallest_budget": int,
+    "step_cost": int,
+    "added_cost": int,
     "step_seconds": float,
-    "added_seconds": float,
+    "costs": str,
     "optimal": bool,
 }
 
@@ -48,7 +50,7 @@ class PlannedBlock:
     kind: str  # class name
     choice: str  # "none", "full" or a preset of scopedckpt.policies ("matmuls", ...)
     kept_bytes: int  # predicted bytes kept from its forward to its backward
-    recompute_seconds: float  # predicted time added to a step
+    recompute_cost: int  # predicted cost added to a step (NOTE [ counted costs ])
     module: nn.Module | None = field(default=None, repr=False, compare=False)
 
 
@@ -58,7 +60,10 @@ class Plan:
 
     Made by :func:`plan`; applied by ``checkpointing(plan)``; printed as a table;
     stored with :meth:`to_json` and loaded with :meth:`from_json`. All sizes are
-    bytes as NOTE [ live bytes ] counts them; times are seconds.
+    bytes as NOTE [ live bytes ] counts them; costs are counted, not timed, in
+    nanoseconds at the assumed constants of the device type ``costs`` (NOTE
+    [ counted costs ]): they decided the plan. Times are seconds: the step's as
+    measured while planning, and costs scaled by it (``seconds_per_cost``).
 
     Example
     -------
@@ -79,8 +84,10 @@ class Plan:
     peak: int  # predicted peak of a step under the plan
     no_checkpoint_peak: int
     smallest_budget: int
-    step_seconds: float  # a step without checkpointing, as timed while planning
-    added_seconds: float  # predicted
+    step_cost: int  # a step without checkpointing
+    added_cost: int  # what the plan's recomputes add to it
+    step_seconds: float  # a step without checkpointing, as timed (counted) while planning
+    costs: str  # the device type whose constants priced the costs ("cpu", "cuda")
     optimal: bool
     unused: tuple[str, ...] = ()  # candidate blocks the example step did not run
     planning_seconds: float = 0.0
@@ -109,8 +116,14 @@ class Plan:
 
     @property
     def overhead(self) -> float:
-        """Predicted step time under the plan over the step without checkpointing."""
-        return (self.step_seconds + self.added_seconds) / max(self.step_seconds, 1e-12)
+        """Predicted step time under the plan over the step without checkpointing, from
+        the costs alone."""
+        return (self.step_cost + self.added_cost) / max(self.step_cost, 1)
+
+    @property
+    def seconds_per_cost(self) -> float:
+        """The step's measured time over its cost: what reports costs as time."""
+        return self.step_seconds / max(self.step_cost, 1)
 
     def __str__(self) -> str:
         return format_table(self)
@@ -123,7 +136,7 @@ class Plan:
                 "class": b.kind,
                 "choice": b.choice,
                 "kept_bytes": b.kept_bytes,
-                "recompute_seconds": b.recompute_seconds,
+                "recompute_cost": b.recompute_cost,
             }
             for b in self.blocks
         ]
@@ -167,8 +180,8 @@ class Plan:
                     f"scopedckpt: the plan's block {name!r} has an unknown choice "
                     f"{entry['choice']!r}."
                 )
-            kept, seconds = int(entry["kept_bytes"]), float(entry["recompute_seconds"])
-            blocks.append(PlannedBlock(name, kind, entry["choice"], kept, seconds, module))
+            kept, cost = int(entry["kept_bytes"]), int(entry["recompute_cost"])
+            blocks.append(PlannedBlock(name, kind, entry["choice"], kept, cost, module))
         stored = {name: read(data[name]) for name, read in _STORED.items()}
         return cls(tuple(blocks), **stored, unused=tuple(data.get("unused", ())), model=model)
 
@@ -183,12 +196,14 @@ def plan(
 ) -> Plan:
     """Plan the fastest checkpointing of ``model`` whose step fits ``budget``.
 
-    Runs two training steps on the example inputs (one counting every tensor's
-    bytes, one timed) and leaves no trace: parameters, gradients, buffers and
+    Runs two training steps on the example inputs, counting every tensor's bytes
+    and every op's cost, and leaves no trace: parameters, gradients, buffers and
     random streams are bit for bit as before. Then it chooses, per block, no
     region, a full region or a region with a ``save=`` preset, minimizing the
-    predicted added time with the predicted peak within the budget (optimal for
-    the peak model: NOTE [ planning as a dynamic program ]).
+    predicted added cost with the predicted peak within the budget (optimal for
+    the peak model: NOTE [ planning as a dynamic program ]). The choice follows
+    counted costs, never timings (NOTE [ counted costs ]): the same model,
+    inputs and budget give the same plan in every run.
 
     Parameters
     ----------
@@ -292,7 +307,7 @@ def choose(profile: Profile, budget: int, model: nn.Module | None) -> Plan:
         )
     chosen = [(b, b.choices[c]) for b, c in zip(profile.blocks, solution.choices)]
     planned = tuple(
-        PlannedBlock(b.name, type(b.module).__name__, o.name, o.kept, o.seconds, b.module)
+        PlannedBlock(b.name, type(b.module).__name__, o.name, o.kept, o.cost, b.module)
         for b, o in chosen
     )
     return Plan(
@@ -301,8 +316,10 @@ def choose(profile: Profile, budget: int, model: nn.Module | None) -> Plan:
         solution.peak,
         profile.peak,
         smallest.peak,
+        profile.step_cost,
+        solution.cost,
         profile.step_seconds,
-        solution.seconds,
+        profile.costs,
         solution.optimal and smallest.optimal,
         profile.unused,
         profile.seconds,
@@ -328,15 +345,14 @@ def format_table(plan: Plan) -> str:
     """The plan as a table per block, with totals, the predicted peak and step time."""
     header = ("block", "class", "choice", "kept", "recompute")
 
-    def row(name: str, kind: str, choice: str, kept: int, seconds: float) -> tuple[str, ...]:
-        return (name, kind, choice, format_bytes(kept), f"{seconds * 1e3:.2f} ms")
+    def row(name: str, kind: str, choice: str, kept: int, cost: int) -> tuple[str, ...]:
+        ms = cost * plan.seconds_per_cost * 1e3  # the cost as time (NOTE [ counted costs ])
+        return (name, kind, choice, format_bytes(kept), f"{ms:.2f} ms")
 
-    rows = [row(b.name, b.kind, b.choice, b.kept_bytes, b.recompute_seconds) for b in plan.blocks]
+    rows = [row(b.name, b.kind, b.choice, b.kept_bytes, b.recompute_cost) for b in plan.blocks]
     regions = sum(b.choice != "none" for b in plan.blocks)
     kept = sum(b.kept_bytes for b in plan.blocks)
-    rows.append(
-        row("total", "", f"{regions} region{'s' * (regions != 1)}", kept, plan.added_seconds)
-    )
+    rows.append(row("total", "", f"{regions} region{'s' * (regions != 1)}", kept, plan.added_cost))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
     def line(cells: tuple[str, ...]) -> str:
@@ -352,8 +368,9 @@ def format_table(plan: Plan) -> str:
         f"{format_bytes(plan.smallest_budget)})"
     )
     table.append(
-        f"predicted step time {plan.overhead:.2f}x the step without checkpointing "
-        f"({plan.step_seconds * 1e3:.1f} ms + {plan.added_seconds * 1e3:.1f} ms)"
+        f"predicted step time {plan.overhead:.2f}x the step without checkpointing, from "
+        f"{plan.costs} costs ({plan.step_seconds * 1e3:.1f} ms as timed + "
+        f"{plan.added_cost * plan.seconds_per_cost * 1e3:.1f} ms)"
         + ("" if plan.optimal else "; front thinned, near-optimal")
     )
     if plan.unused:

@@ -27,18 +27,17 @@ second counted step makes every block a full region and takes, for each, the
 most bytes live during its backward less what the blocks up to it keep there
 (``rebuild``; what a full region keeps is measured there too: its output, and
 any record the region holds, its fingerprints included: that step verifies every
-region bit for bit, as a step does at each site's first call and sampled ones). A ``save=`` preset keeps the outputs of the ops
-it selects besides, and rebuilds that much less of the forward's growth as
+region bit for bit, as a step does at each site's first call and sampled
+ones). A ``save=`` preset keeps the outputs of the ops it selects besides, and rebuilds that much less of the forward's growth as
 the step without regions saw it, op by op. The model gives the peak without
 regions exactly and the one with every block a full region exactly; mixed
 plans assume the rest of the step is unchanged, which :mod:`benchmarks.plan`
 checks against measured peaks.
 
-Added time: the block's recompute as timed in the step with every block a
-region (NOTE [ timing regions ] in ``_step_times.py``), less the kernel time of
-the ops a preset keeps (timed op by op in the step without regions: the rest
-of a recompute, its Python and allocation included, is paid anyway), plus what
-a region and selective saving's dispatch mode cost besides.
+Added cost: the cost of the ops of the block's forward, counted in the step
+without regions, as NOTE [ counted costs ] in ``_costs.py`` prices them (a
+preset's kept ops less their kernels' part): never timed, so the same in every
+run. Timed is only the step without regions, to report costs as time.
 """
 
 from __future__ import annotations
@@ -57,10 +56,9 @@ from ..core._errors import ScopedCkptError
 from ..core._policy import as_policy
 from ..core._sampling import suspended
 from ..core._scope import checkpointing
-from ..mechanisms._report import memory_report
+from ._costs import CONSTANTS, Constants, op_cost, synchronize
 from ._live import OUTSIDE, LiveBytes, tensors
 from ._solve import Choice
-from ._step_times import region_costs, synchronize
 from ._untouched import Untouched
 
 __all__ = ["PRESETS", "BlockProfile", "Choice", "Profile", "default_loss", "profile_step"]
@@ -90,7 +88,9 @@ class Profile:
     blocks: tuple[BlockProfile, ...]  # in the order their forwards ran
     floors: tuple[int | None, ...]  # floor[m] for m = 0..len(blocks); None: never seen
     peak: int  # the step's peak without checkpointing
-    step_seconds: float  # the step's time without checkpointing
+    step_cost: int  # the step's cost without checkpointing (NOTE [ counted costs ])
+    step_seconds: float  # the step's time without checkpointing, counted
+    costs: str  # the device type whose constants priced it (_costs.CONSTANTS)
     unused: tuple[str, ...]  # candidate blocks the step did not run
     seconds: float  # how long profiling took
 
@@ -112,17 +112,22 @@ def default_loss(output: Any) -> torch.Tensor:
 
 
 class _Instrumented:
-    """A counted step's hooks and tallies (see NOTE [ peak model ]); ``presets``: also
-    what each ``save=`` preset would keep and rebuild (the step without regions)."""
+    """A counted step's hooks and tallies (see NOTE [ peak model ]); given a ``machine``,
+    also what each op costs and what each ``save=`` preset would keep, rebuild and
+    spare (the step without regions: NOTE [ counted costs ])."""
 
     def __init__(
-        self, blocks: list[tuple[str, nn.Module]], untouched: Untouched, presets: bool
+        self,
+        blocks: list[tuple[str, nn.Module]],
+        untouched: Untouched,
+        machine: Constants | None,
     ) -> None:
         self.blocks = blocks
         self.index = {id(module): i for i, (_, module) in enumerate(blocks)}
         self.order: list[int] = []  # block index at each forward position
         self.position: dict[int, int] = {}
-        self.counter = LiveBytes(self._observe, untouched.before_op, self._freed)
+        observe = self._observe if machine else None
+        self.counter = LiveBytes(observe, untouched.before_op, self._freed)
         self.m = 0
         self.segments: dict[int, int] = {}
         self.start = 0
@@ -131,12 +136,15 @@ class _Instrumented:
         self.backward_started: set[int] = set()
         self.backward_block: int | None = None  # the block whose backward runs
         self.backward_peak: dict[int, int] = {}  # its most bytes live, recompute included
-        self.ops: dict[int, int] = {}
-        made = {name: as_policy(items) for name, items in PRESETS.items()} if presets else {}
+        self.machine = machine
+        self.ops: dict[int, int] = {}  # per block, the ops of its forward
+        self.work: dict[int, int] = {}  # and their flops and bytes terms
+        self.step_cost = 0
+        made = {name: as_policy(items) for name, items in PRESETS.items()} if machine else {}
         # as_policy gives None for an empty preset (no fused attention kernels).
         self.presets = {name: policy for name, policy in made.items() if policy is not None}
         self.selecting: dict[Any, tuple[str, ...]] = {}  # op -> the presets selecting it
-        self.preset_seconds: dict[tuple[str, int], float] = {}
+        self.preset_work: dict[tuple[str, int], int] = {}  # the kept ops' flops and bytes
         self.preset_kept: dict[tuple[str, int], dict[int, int]] = {}
         # Within the running block: bytes of each preset's selected outputs alive, the
         # presets that selected each such storage, and the most the block's forward
@@ -154,13 +162,15 @@ class _Instrumented:
         self.m = m
         counter.restart_peak()
 
-    def _observe(self, func: Any, out: Any, seconds: float) -> None:
+    def _observe(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        assert self.machine is not None  # observed only with one
+        op, work = op_cost(self.machine, func, args, kwargs, out)
+        self.step_cost += op + work
         k = self.counter.tag
         if k == OUTSIDE:
             return
         self.ops[k] = self.ops.get(k, 0) + 1
-        if not self.presets:
-            return
+        self.work[k] = self.work.get(k, 0) + work
         selecting = self.selecting.get(func)
         if selecting is None:
             selecting = self.selecting[func] = tuple(
@@ -168,7 +178,7 @@ class _Instrumented:
             )
         for name in selecting:
             key = (name, k)
-            self.preset_seconds[key] = self.preset_seconds.get(key, 0.0) + seconds
+            self.preset_work[key] = self.preset_work.get(key, 0) + work
             kept = self.preset_kept.setdefault(key, {})
             for nbytes, _, serial in self.counter.counted(out):
                 if serial not in kept:
@@ -243,18 +253,16 @@ def profile_step(
 ) -> Profile:
     """Run two counted steps of ``model``, one without checkpointing and one with every
     block a full region, leaving no trace (NOTE [ leaving no trace ]), and return what
-    the planner needs (NOTE [ peak model ], NOTE [ timing regions ])."""
+    the planner needs (NOTE [ peak model ], NOTE [ counted costs ])."""
     began = time.perf_counter()
     inputs = tuple(tensors((args, kwargs)))
 
-    def step(tally: _Instrumented, scope: Any) -> tuple[list[int], float]:
+    def step(tally: _Instrumented, scope: Any) -> list[int]:
         handles = []
         for _, module in tally.blocks:
             handles.append(module.register_forward_pre_hook(tally.pre))
             handles.append(module.register_forward_hook(tally.post))
         try:
-            synchronize(device)
-            start = time.perf_counter()
             with tally.counter:
                 with scope, torch.enable_grad():
                     loss = loss_fn(model(*args, **kwargs))
@@ -262,31 +270,34 @@ def profile_step(
                 loss.backward()
                 del loss
                 tally.close(tally.m)
-            synchronize(device)
-            return kept, time.perf_counter() - start
+            return kept
         finally:
             for handle in handles:
                 handle.remove()
             untouched.clear_grads()
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    costs = "cpu" if device.type == "cpu" else "cuda"  # any accelerator: CUDA's
+    machine = CONSTANTS[costs]
     with Untouched(model, inputs) as untouched:
-        tally = _Instrumented(blocks, untouched, presets=True)
-        kept, plain_seconds = step(tally, checkpointing(enabled=False))
+        tally = _Instrumented(blocks, untouched, machine)
+        synchronize(device)
+        start = time.perf_counter()
+        kept = step(tally, checkpointing(enabled=False))
+        synchronize(device)
+        step_seconds = time.perf_counter() - start
         ran = [blocks[i] for i in tally.order]
-        full = _Instrumented(ran, untouched, presets=False)
+        full = _Instrumented(ran, untouched, None)
         # Verified bit for bit, as each site's first call and sampled ones are: what a
         # full region keeps includes its fingerprints, so a verified step fits the plan.
         regions = checkpointing(*(module for _, module in ran), determinism_check="bitwise")
-        with suspended(), memory_report(root=model) as report:
-            kept_full, _ = step(full, regions)
+        with suspended():
+            kept_full = step(full, regions)
         if full.order != list(range(len(ran))):
             raise ScopedCkptError(
                 "scopedckpt: plan() saw the blocks run in another order in its second step; "
                 "it needs a step whose blocks run the same way every time."
             )
-        overhead, per_op, counting = region_costs(device)
-    recompute = {row["region"]: row["recompute_seconds"] for row in report.rows}
     settled = list(accumulate(kept, initial=0))  # what the blocks before m keep
     settled_full = list(accumulate(kept_full, initial=0))
     floors = tuple(
@@ -296,37 +307,37 @@ def profile_step(
     profiled = []
     for k, i in enumerate(tally.order):
         name, module = blocks[i]
-        ops = tally.ops.get(k, 0)
-        # The counting mode's own cost is in the timed recompute: taken out.
-        seconds = max(recompute.get(name, 0.0) - counting * ops, 0.0)
-        choices = [Choice("none", kept[k], 0.0, None)]
+        ops, work = tally.ops.get(k, 0), tally.work.get(k, 0)
+        cost = ops * machine.op + work + machine.region  # its forward's ops, again
+        choices = [Choice("none", kept[k], 0, None)]
         if k in full.backward_peak:
             # Bytes at the recompute's peak besides what blocks up to k keep (measured).
             rebuild = full.backward_peak[k] - settled_full[k + 1]
-            choices.append(Choice("full", kept_full[k], seconds + overhead, rebuild))
-            seen: set[tuple[int, float]] = set()
+            choices.append(Choice("full", kept_full[k], cost, rebuild))
+            seen: set[tuple[int, int]] = set()
             for preset in tally.presets:
                 selected = tally.preset_kept.get((preset, k))
                 if not selected:
                     continue
                 extra = sum(b for s, b in selected.items() if s not in tally.out.get(k, {}))
-                # The kept ops' kernels are not run again; the rest of the recompute
-                # (Python, other ops, allocation) is.
-                spared_seconds = tally.preset_seconds[(preset, k)]
-                if (extra, spared_seconds) in seen:
+                # The kept ops' kernels are not run again; their calls (OP) still are.
+                spared_work = tally.preset_work[(preset, k)]
+                if (extra, spared_work) in seen:
                     continue  # the same ops as an earlier preset (compute = matmuls here)
-                seen.add((extra, spared_seconds))
-                cost = max(seconds - spared_seconds, 0.0) + overhead + per_op * ops
+                seen.add((extra, spared_work))
+                selective = cost - spared_work + machine.selective * ops
                 # What the preset keeps is not rebuilt (counted op by op, unregioned).
                 spared = tally.growth[k] - tally.preset_growth.get((preset, k), tally.growth[k])
-                choices.append(Choice(preset, kept_full[k] + extra, cost, rebuild - spared))
+                choices.append(Choice(preset, kept_full[k] + extra, selective, rebuild - spared))
         profiled.append(BlockProfile(name, module, tuple(choices)))
     unused = tuple(name for i, (name, _) in enumerate(blocks) if i not in tally.position)
     return Profile(
         tuple(profiled),
         floors,
         max(tally.segments.values(), default=0),
-        max(plain_seconds - counting * tally.counter.ops, 0.0),
+        tally.step_cost,
+        step_seconds,
+        costs,
         unused,
         time.perf_counter() - began,
     )

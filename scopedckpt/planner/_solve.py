@@ -8,16 +8,24 @@ a plan must meet has the form ``constant + prefix[m] <= budget``, where
 ``prefix[m]`` is what the first m blocks keep under the plan and the constant
 depends on block m's own choice at most. So what the first i choices leave to
 the rest of the plan is one number, ``prefix[i]``: of two partial plans with
-the same or a smaller prefix, the slower one can never finish better. The
+the same or a smaller prefix, the worse one can never finish better. The
 program walks the blocks in forward order and keeps, after each block, the
-Pareto front of (prefix, added seconds) over the feasible partial plans; the
-fastest complete plan is optimal for the model. The smallest feasible budget
-comes from the same walk with the peak so far as the objective.
+Pareto front of (prefix, key) over the feasible partial plans, where a plan's
+key orders plans by their cost (NOTE [ counted costs ] in ``_costs.py``), then
+by their number of regions (fewer first), then by their choices in forward
+order: at the first block where two differ, a region before none, and of two
+regions the earlier option (a profile lists full, then the presets in the
+order of ``_profile.PRESETS``). Costs and
+region counts add up and the last rule compares histories of equal length, so
+every part of the key survives extending both plans the same way: the best
+complete plan by the key is the program's, the same in every run. The
+smallest feasible budget comes from the same walk with the peak so far as the
+objective.
 
 The front holds at most one state per distinct prefix, and identical blocks
 make prefixes repeat, so it stays small in practice (a few thousand states
 for 200 blocks of three choices). Past ``cap`` states it is thinned to one
-state per ``1/cap`` of its byte range (the fastest of each), still feasible
+state per ``1/cap`` of its byte range (the best of each), still feasible
 but no longer provably optimal: :attr:`Solution.optimal` says which. The work
 per block is a few tensor operations on the front.
 """
@@ -38,7 +46,7 @@ class Choice:
 
     name: str  # "none", "full" or a key of _profile.PRESETS
     kept: int  # bytes kept from the block's forward to its backward
-    seconds: float  # time added to a step
+    cost: int  # added to a step, in the units of NOTE [ counted costs ]
     # Bytes live at the recompute's peak besides what settled blocks keep (NOTE
     # [ peak model ]); None for no region.
     recompute: int | None
@@ -50,7 +58,7 @@ class Solution:
 
     choices: tuple[int, ...]  # the index of each block's option
     peak: int  # predicted
-    seconds: float  # predicted time added to a step
+    cost: int  # predicted cost added to a step (NOTE [ counted costs ])
     optimal: bool  # False if the front was thinned (see the NOTE)
 
 
@@ -61,7 +69,7 @@ def peak_of(
 
     Example
     -------
-    >>> none, full = Choice("none", 100, 0.0, None), Choice("full", 10, 1.0, 150)
+    >>> none, full = Choice("none", 100, 0, None), Choice("full", 10, 1, 150)
     >>> peak_of([5, 20, 20], [[none, full], [none, full]], [0, 1])
     260
     """
@@ -78,12 +86,17 @@ def peak_of(
     return peak
 
 
-def _front(prefix: torch.Tensor, value: torch.Tensor, cap: int) -> tuple[torch.Tensor, bool]:
-    """Indices of the Pareto front of (prefix, value), both smaller-is-better, sorted by
+def _lex(*columns: torch.Tensor) -> torch.Tensor:
+    """Dense ranks of the rows of ``columns`` in lexicographic order, smallest first."""
+    return torch.unique(torch.stack(columns, dim=1), dim=0, return_inverse=True)[1]
+
+
+def _front(prefix: torch.Tensor, key: torch.Tensor, cap: int) -> tuple[torch.Tensor, bool]:
+    """Indices of the Pareto front of (prefix, key), both smaller-is-better, sorted by
     prefix; thinned past ``cap`` states (returns whether it was)."""
-    order = torch.argsort(value, stable=True)
+    order = torch.argsort(key, stable=True)
     order = order[torch.argsort(prefix[order], stable=True)]
-    ordered = value[order]
+    ordered = key[order]
     best_before = torch.cummin(ordered, dim=0).values
     keep = torch.ones_like(ordered, dtype=torch.bool)
     keep[1:] = ordered[1:] < best_before[:-1]
@@ -94,7 +107,7 @@ def _front(prefix: torch.Tensor, value: torch.Tensor, cap: int) -> tuple[torch.T
     low, high = bytes_[0], bytes_[-1]
     bucket = ((bytes_ - low) * (cap / max(float(high - low), 1.0))).long()
     last = torch.ones_like(bucket, dtype=torch.bool)
-    last[:-1] = bucket[1:] != bucket[:-1]  # the fastest state of each bucket is its last
+    last[:-1] = bucket[1:] != bucket[:-1]  # the best state of each bucket is its last
     return kept[last], True
 
 
@@ -103,7 +116,7 @@ def solve(
     options: Sequence[Sequence[Choice]],
     budget: float,
     *,
-    minimize: str = "seconds",
+    minimize: str = "cost",
     cap: int = 4096,
 ) -> Solution | None:
     """The best plan whose predicted peak is at most ``budget``, or None if none is.
@@ -117,35 +130,36 @@ def solve(
     budget
         Bytes; ``float("inf")`` for none.
     minimize
-        ``"seconds"``: the fastest plan; ``"peak"``: the plan with the smallest peak
-        (the smallest feasible budget).
+        ``"cost"``: the cheapest plan, ties broken by the rule of NOTE [ planning as
+        a dynamic program ]; ``"peak"``: the plan with the smallest peak (the
+        smallest feasible budget).
     cap
         The most states kept after each block (see NOTE [ planning as a dynamic
         program ]).
 
     Example
     -------
-    >>> none, full = Choice("none", 100, 0.0, None), Choice("full", 10, 1.0, 150)
+    >>> none, full = Choice("none", 100, 0, None), Choice("full", 10, 1, 150)
     >>> solve([5, 20, 20], [[none, full], [none, full]], budget=200).choices
     (1, 0)
     >>> solve([5, 20, 20], [[none, full], [none, full]], budget=1000).choices
     (0, 0)
     """
-    if minimize not in ("seconds", "peak"):
-        raise ValueError(f"minimize must be 'seconds' or 'peak', got {minimize!r}")
+    if minimize not in ("cost", "peak"):
+        raise ValueError(f"minimize must be 'cost' or 'peak', got {minimize!r}")
     start = floors[0] or 0
     if start > budget:
         return None
-    prefix = torch.zeros(1, dtype=torch.int64)
-    seconds = torch.zeros(1, dtype=torch.float64)
-    peak = torch.full((1,), start, dtype=torch.int64)
+    # One state per partial plan: prefix, cost, regions, peak, and its history's rank.
+    state = [torch.zeros(1, dtype=torch.int64) for _ in range(5)]
+    state[3] += start
     parents: list[torch.Tensor] = []
     picks: list[torch.Tensor] = []
     thinned = False
     for i, block in enumerate(options):
         floor = floors[i + 1]
-        # Per option, the states it leaves feasible: prefix, seconds, peak, parent, pick.
-        grown: list[tuple[torch.Tensor, ...]] = []
+        prefix, cost, regions, peak, rank = state
+        grown: list[tuple[torch.Tensor, ...]] = []  # per option, the states it leaves feasible
         states = torch.arange(prefix.numel())
         for c, option in enumerate(block):
             p = prefix + option.kept
@@ -155,23 +169,27 @@ def solve(
             if floor is not None:
                 q = torch.maximum(q, p + floor)
             ok = q <= budget
-            pick = torch.full((int(ok.sum()),), c, dtype=torch.int64)
-            grown.append((p[ok], seconds[ok] + option.seconds, q[ok], states[ok], pick))
-        prefix, seconds, peak, parent, pick = (torch.cat(parts) for parts in zip(*grown))
+            # The option's place at this block: a region before none, then option order.
+            order = torch.full((int(ok.sum()),), c or len(block), dtype=torch.int64)
+            added = (cost[ok] + option.cost, regions[ok] + (c > 0), q[ok], rank[ok], order)
+            grown.append((p[ok], *added, states[ok]))
+        prefix, cost, regions, peak, rank, order, parent = map(torch.cat, zip(*grown))
         if prefix.numel() == 0:
             return None
-        objective = seconds if minimize == "seconds" else peak.double()
-        kept, thin = _front(prefix, objective, cap)
+        pick = torch.where(order == len(block), 0, order)
+        rank = _lex(rank, order)  # histories of equal length, in forward order
+        key = _lex(cost, regions, rank) if minimize == "cost" else _lex(peak, rank)
+        kept, thin = _front(prefix, key, cap)
         thinned |= thin
-        prefix, seconds, peak = prefix[kept], seconds[kept], peak[kept]
+        state = [prefix[kept], cost[kept], regions[kept], peak[kept], rank[kept]]
         parents.append(parent[kept])
         picks.append(pick[kept])
-    # The front's objective falls strictly along it (_front): its last state is the best.
-    best = state = prefix.numel() - 1
+    # The front's key falls strictly along it (_front): its last state is the best.
+    best = at = state[0].numel() - 1
     chosen = []
     for parents_of, picks_of in zip(reversed(parents), reversed(picks)):
-        chosen.append(int(picks_of[state]))
-        state = int(parents_of[state])
+        chosen.append(int(picks_of[at]))
+        at = int(parents_of[at])
     return Solution(
-        tuple(reversed(chosen)), int(peak[best]), float(seconds[best]), optimal=not thinned
+        tuple(reversed(chosen)), int(state[3][best]), int(state[1][best]), optimal=not thinned
     )

@@ -12,7 +12,8 @@ regions lands where compiled training with torch's checkpoint does, and that a
 ``scopedckpt.plan()`` at half the peak trains exactly and keeps its predicted peak
 (``torch.cuda.max_memory_allocated`` within 10 %) and every step, the first (verified)
 included, within its budget, also across the planner's quick
-benchmark (``benchmarks/plan.py``, results in $OUT). It prints
+benchmark (``benchmarks/plan.py``, results in $OUT), and that ``scopedckpt.peak_report``
+agrees with the allocator and explains a real out-of-memory error. It prints
 what it only reports: float16/bfloat16 kept values against torch's fused CUDA
 dropout, and compiled checkpointing against compiled training without it.
 Exit status 0 when every check passed.
@@ -419,6 +420,64 @@ def refused_only_after_drawing():
     assert not _seeded_only(g, g.get_state())
 
 
+def peak_report_on_cuda():
+    """``scopedckpt.peak_report`` on the device: its peak is ``measure_peak``'s, within the
+    allocator's rounding of what ``max_memory_allocated`` shows, and its categories sum to it
+    (the backward runs on autograd's device threads)."""
+    m = model(convert=True)
+    x = torch.randn(512, 64, device=dev)
+
+    def step():
+        with scopedckpt.checkpointing(*m):
+            y = m(x).square().mean()
+        y.backward()
+
+    step()  # first-step transients aside
+    m.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    report = scopedckpt.peak_report(step, root=m)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.max_memory_allocated() - before
+    m.zero_grad(set_to_none=True)
+    print(report)
+    print("peak_report", report.peak, "max_memory_allocated", allocated)
+    assert sum(report.live.values()) == report.peak
+    assert report.peak <= allocated <= report.peak + 512 * 64, (report.peak, allocated)
+
+
+def peak_report_of_a_real_oom():
+    """A real CUDA out-of-memory error inside the step, the process allowed a small fraction
+    of the device: peak_report raises it again with the attribution at the failing op."""
+    total = torch.cuda.get_device_properties(dev).total_memory
+    torch.cuda.empty_cache()
+    blocks = nn.Sequential(*[nn.Sequential(nn.Linear(4096, 4096), nn.GELU()) for _ in range(4)])
+    blocks = blocks.to(dev)
+    x = torch.randn(8192, 4096, device=dev)
+    allowed = torch.cuda.memory_allocated() + 6 * x.nbytes  # fits the forward, not the rest
+    torch.cuda.set_per_process_memory_fraction(min(1.0, allowed / total), dev)
+    try:
+
+        def step():
+            with scopedckpt.checkpointing(*blocks):
+                y = blocks(x).square().mean()
+            y.backward()
+
+        try:
+            scopedckpt.peak_report(step, root=blocks)
+        except torch.OutOfMemoryError as error:
+            message = str(error)
+            print(message.splitlines()[0])
+            assert "scopedckpt: out of memory in the" in message
+            assert isinstance(error.__cause__, torch.OutOfMemoryError)
+        else:
+            raise AssertionError("no out-of-memory error at the fraction allowed")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     print("torch", torch.__version__, "cuda", torch.cuda.is_available())
     check("mask bits on cuda", mask_bits)
@@ -445,6 +504,8 @@ def main() -> int:
         "every step under a plan within its budget, the first included", planned_steps_within_budget
     )
     check("the planner's benchmark on cuda: peaks as predicted", plan_benchmark)
+    check("peak_report on cuda: measure_peak's peak, the allocator's count", peak_report_on_cuda)
+    check("a real out-of-memory error: peak_report names the region", peak_report_of_a_real_oom)
     print("failures", failures)
     return 1 if failures else 0
 
