@@ -246,6 +246,9 @@ def _against(points: list[dict], times: dict[str, list[float]]) -> list[dict]:
 def main(quick: bool) -> None:
     """Every model's points; writes ``results/compile_budget.json`` and prints a table."""
     torch._dynamo.config.cache_size_limit = 64  # a compiled copy per point
+    # Every point compiles anew: a cached graph compiled at another budget is not reused.
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     rows = []
     for name, build in SUBJECTS.items():
         if quick and name != "transformer (8 blocks)":

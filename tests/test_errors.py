@@ -9,6 +9,7 @@ or says how to get one, and gives the most likely fix; details follow on later l
 from __future__ import annotations
 
 import re
+from typing import ClassVar
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 import scopedckpt
 from scopedckpt.core import _names
 from scopedckpt.core._light import RecomputeDivergenceError
+from scopedckpt.planner._budget import format_bytes
 
 from .test_guard import Placeholder
 from .test_written import ClampsAChildsWeight
@@ -498,3 +500,60 @@ def test_type_names_take_the_article_they_are_spoken_with(word: str, spoken: str
 def test_a_bad_target_reads_an_int() -> None:
     with pytest.raises(TypeError, match=re.escape("checkpointing target #0 is an int;")):
         scopedckpt.checkpointing(3)  # type: ignore[arg-type]
+
+
+class RunsOutOfMemory(nn.Module):
+    """Raises torch's out-of-memory error in the phase it is told (a global: the forward's
+    world would put an attribute back for the recompute)."""
+
+    phase: ClassVar[list[scopedckpt.Phase]] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if scopedckpt.phase() in RunsOutOfMemory.phase:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return self.linear(x).tanh()
+
+
+@pytest.mark.parametrize("phase", ["first forward", "recompute (in backward)"])
+def test_an_out_of_memory_error_in_a_region_says_where_in_a_note(phase: str) -> None:
+    """torch's own error, its type and message unchanged, with one note naming the region
+    in flight and its phase (the innermost region's: the enclosing one adds none)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(RunsOutOfMemory()), nn.Linear(4, 1))
+    first = phase == "first forward"
+    RunsOutOfMemory.phase = [scopedckpt.Phase.FORWARD if first else scopedckpt.Phase.RECOMPUTE]
+    try:
+        with (
+            pytest.raises(torch.OutOfMemoryError, match=r"^CUDA out of memory") as error,
+            scopedckpt.checkpointing(model[1], model[1][0], root=model),
+        ):
+            loss = model(_x()).sum()
+            loss.backward()
+    finally:
+        RunsOutOfMemory.phase = []
+    notes = error.value.__notes__
+    assert len(notes) == 1
+    assert notes[0].startswith(
+        f"scopedckpt: out of memory in the {phase} of region '1.0' (RunsOutOfMemory)."
+    )
+    assert "scopedckpt.peak_report(step, root=model)" in notes[0]
+
+
+def test_an_out_of_memory_error_in_a_planned_region_says_how_low_a_plan_goes() -> None:
+    """Where plan() profiled the model, the note gives the smallest peak a plan of its
+    blocks reaches, and the peak without checkpointing."""
+    model = nn.Sequential(nn.Linear(4, 4), RunsOutOfMemory(), nn.Linear(4, 1))
+    x = _x()
+    plan = scopedckpt.plan(model, x, budget=1.0, blocks=[model[1]], loss_fn=lambda y: y.sum())
+    RunsOutOfMemory.phase = [scopedckpt.Phase.FORWARD]
+    try:
+        with pytest.raises(torch.OutOfMemoryError) as error, scopedckpt.checkpointing(model[1]):
+            model(x)
+    finally:
+        RunsOutOfMemory.phase = []
+    (note,) = error.value.__notes__
+    assert "scopedckpt.plan() profiled this model: no plan of its blocks peaks below " in note
+    assert format_bytes(plan.smallest_budget) in note

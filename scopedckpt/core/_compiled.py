@@ -11,9 +11,13 @@ It does not need it either:
   ``tag_activation_checkpoint`` higher-order op. Its forward graph updates
   batch-norm running statistics once; its backward graph recomputes from the
   random seeds inductor saved, without the update. So a compiled region is
-  exact by itself: compiled with regions is bitwise compiled without
-  (``tests/test_compile.py``). That holds only while the region's body traces
-  in one piece, hence the rest of this note.
+  exact by itself: compiled with regions is bitwise compiled without on the
+  test models (``tests/test_compile.py``), masks and statistics always; on
+  larger ones inductor may fuse the recompute inside the backward graph
+  otherwise than the forward, a rounding difference (HF GPT-2, 8 layers: 3.8e-8
+  relative, with or without dropout; ``benchmarks/compile_budget.py``). That
+  holds only while the region's body traces in one piece, hence the rest of
+  this note.
 * Every branch asks ``_paths.where()`` or ``_paths.region_path()`` (NOTE
   [ region paths ]), which read ``torch.compiler.is_dynamo_compiling()``, True
   only in code dynamo traces. ``torch.compiler.is_compiling()`` reads a

@@ -25,6 +25,7 @@ from . import _eager_checkpoint, _mechanisms, _torch_private
 from ._contexts import ContextFn, compose
 from ._early_stop import full_recompute
 from ._names import layer_of as layer_of
+from ._oom import explain
 from ._options import DEFAULT_OPTIONS, RegionOptions
 from ._policy import as_policy
 from ._sampling import Site, sampled_check
@@ -161,6 +162,10 @@ class _EnterFrame:
         failed = exc_type is not None and not issubclass(
             exc_type, _torch_private.STOP_RECOMPUTATION
         )
+        if failed and isinstance(exc, torch.OutOfMemoryError):
+            frame = FRAME.get()
+            if frame is not None:
+                explain(exc, frame)
         try:
             if len(undos) == 1:
                 undos[0](exc_type, exc, tb)

@@ -29,6 +29,7 @@ import os
 import sys
 import traceback
 import types
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,14 +38,15 @@ import torch
 from torch import nn
 
 from ..core._names import frame_region_name
+from ..core._oom import add_hint
 from ..core._own_ops import issuing_own_ops
-from ..core._state import FRAME, RECOMPUTE
+from ..core._state import FRAME, RECOMPUTE, Frame
 from ..core._torch_private import graph_task_key
 from ._budget import format_bytes
 from ._live import LiveBytes, storages
 from ._timeline import page
 
-__all__ = ["PeakReport", "peak_report"]
+__all__ = ["PeakReport", "peak_report", "remember"]
 
 # torch, scopedckpt (every subpackage), the standard library: not the user's source line
 _SKIPPED = tuple(
@@ -339,3 +341,33 @@ def peak_report(
     recorder.mark((p.grad for p in params.values()), "gradients")
     recorder.mark(state, "optimizer state")
     return recorder.report(resting)
+
+
+# The latest plan of each planned block's module, by id, for out-of-memory notes.
+_PROFILED: dict[int, weakref.ref[Any]] = {}
+
+
+def remember(plan: Any) -> None:
+    """Note a plan ``scopedckpt.plan`` just made: an out-of-memory error in one of its
+    blocks' regions then says how low a plan of them can go."""
+    if len(_PROFILED) >= 4096:
+        _PROFILED.clear()
+    ref = weakref.ref(plan)
+    for block in plan.blocks:
+        if block.module is not None:
+            _PROFILED[id(block.module)] = ref
+
+
+def _profiled(frame: Frame) -> str | None:
+    ref = _PROFILED.get(id(frame.owner))
+    plan = None if ref is None else ref()
+    if plan is None or not any(block.module is frame.owner for block in plan.blocks):
+        return None
+    return (
+        f"scopedckpt.plan() profiled this model: no plan of its blocks peaks below "
+        f"{format_bytes(plan.smallest_budget)} (without checkpointing: "
+        f"{format_bytes(plan.no_checkpoint_peak)}), in measure_peak's unit."
+    )
+
+
+add_hint(_profiled)

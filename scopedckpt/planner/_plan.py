@@ -22,6 +22,7 @@ from ..core._errors import ScopedCkptError
 from ..core._names import article
 from ._blocks import candidates
 from ._budget import format_bytes, parse_budget
+from ._peak import remember
 from ._profile import PRESETS, Profile, default_loss, profile_step
 from ._solve import solve
 
@@ -310,7 +311,7 @@ def choose(profile: Profile, budget: int, model: nn.Module | None) -> Plan:
         PlannedBlock(b.name, type(b.module).__name__, o.name, o.kept, o.cost, b.module)
         for b, o in chosen
     )
-    return Plan(
+    result = Plan(
         planned,
         budget,
         solution.peak,
@@ -325,6 +326,8 @@ def choose(profile: Profile, budget: int, model: nn.Module | None) -> Plan:
         profile.seconds,
         model,
     )
+    remember(result)  # for out-of-memory notes (``_peak.py``)
+    return result
 
 
 def _one_sequential_hint(profile: Profile) -> str:
