@@ -50,7 +50,9 @@ from torch import nn
 import scopedckpt
 
 from . import THREADS
+from .compiled import _equal
 from .heap import in_use
+from .models import clear_grads
 from .plan import Subject, _bench, _gpt2
 from .real_imports import UnavailableError
 from .timing import interleaved_rounds, paired, save_paired_results
@@ -107,16 +109,11 @@ def _memory_budget(budget: float) -> Iterator[None]:
         config.activation_memory_budget = before
 
 
-def _clear_grads(model: nn.Module) -> None:
-    for p in model.parameters():
-        p.grad = None
-
-
 def _step(run: Callable[..., Any], model: nn.Module, subject: Subject, scope: Any) -> None:
     with scope():
         loss = subject.loss_fn(run(*subject.inputs))
     loss.backward()
-    _clear_grads(model)
+    clear_grads(model)
 
 
 def _state(run: Callable[..., Any], model: nn.Module, subject: Subject, scope: Any) -> list:
@@ -131,13 +128,9 @@ def _state(run: Callable[..., Any], model: nn.Module, subject: Subject, scope: A
         loss.backward()
         seen += [p.grad.clone() for p in model.parameters() if p.grad is not None]
         seen += [b.clone() for b in model.buffers()]
-        _clear_grads(model)
+        clear_grads(model)
     model.load_state_dict(before)
     return seen
-
-
-def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def _peak(step: Callable[[], None]) -> int:

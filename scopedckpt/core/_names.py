@@ -27,8 +27,10 @@ follow on later lines.
 from __future__ import annotations
 
 import functools
+import os
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -46,6 +48,13 @@ __all__ = [
     "region_name_of",
 ]
 
+# Where code is not the user's, for messages naming the user's source line: torch,
+# scopedckpt (every subpackage) and the standard library.
+LIBRARY_SOURCES = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(os.path.dirname(__file__)) + os.sep,
+    os.path.dirname(functools.__file__) + os.sep,
+)
 ROOT_HINT = "pass root=model to checkpointing() for its path"
 FUNCTION_HINT = "checkpoint a module to name it by its path"
 # Letters whose spoken name starts with a vowel: an LSTM, an RNN, an MLP (but a GRU).

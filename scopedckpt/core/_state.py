@@ -196,8 +196,8 @@ class Tape:
     verifying: Any = None  # _verify's Verifying: a region with determinism_check="bitwise"
     # _inputs: the region's call (its tensor inputs' versions), until its forward ends.
     inputs: RegionCall | None = None
-    # _written: the parameters' versions and copies until the first forward ends, then the
-    # copies of those it changed, or the listing whose learning its recompute ends, or None.
+    # _written's Written: the region's parameters, their versions until its first forward
+    # ends, and copies of their values before it.
     written: Any = None
     world: Any = None  # _world's World: the region's recorded world
     hooks: Any = None  # _hooks' Hooks: the user hooks of its subtree

@@ -1,13 +1,13 @@
 """The tensors and layers of a module's subtree, listed once per module.
 
 Region mechanisms that look at a region's whole module subtree at every region
-(the buffer guard, ``_written``, ``_early_stop``, ``_world``) read it here: listing a subtree walks every
-submodule, and regions start at every step. A listing is made again when any
-module registers a parameter, buffer or submodule (torch's global registration
-hooks, installed at the first listing), or when the module at that id is
-another one; what a mechanism learns about a subtree (``Listing.written_parameters``)
-goes with its listing. A listing refers to modules weakly and goes when its module
-goes: it keeps no model alive.
+(the buffer guard, ``_written``, ``_early_stop``, ``_world``) read it here: listing a
+subtree walks every submodule, and regions start at every step. A listing is made again
+when any module registers a parameter, buffer or submodule (torch's global registration
+hooks, installed at the first listing), or when the module at that id is another one;
+what a mechanism learns about a subtree (``Listing.written_parameters``) goes with its
+listing. A listing refers to modules weakly and goes when its module goes: it keeps no
+model alive.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +57,7 @@ __all__ = [
     "memory_report",
     "start_region",
     "stats_of",
+    "text_table",
 ]
 
 _LOCK = threading.Lock()
@@ -136,14 +137,35 @@ class MemoryReport:
             )[: len(header)]
             for row in [*rows, self.totals]
         ]
-        widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
+        return "\n".join(text_table(header, lines[:-1], lines[-1]))
 
-        def fmt(cells: tuple[str, ...]) -> str:  # the region's name left-aligned, numbers right
-            numbers = [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]
-            return "  ".join([cells[0].ljust(widths[0]), *numbers]).rstrip()
 
-        rule = "  ".join("-" * w for w in widths)
-        return "\n".join([fmt(header), rule, *map(fmt, lines[:-1]), rule, fmt(lines[-1])])
+def text_table(
+    header: tuple[str, ...], rows: Sequence[tuple[str, ...]], total: tuple[str, ...], left: int = 1
+) -> list[str]:
+    """The lines of a table: its first ``left`` columns aligned left, the others (numbers)
+    right, a rule under the header and another above the total row.
+
+    Example
+    -------
+    >>> for line in text_table(("name", "bytes"), [("a", "1 B")], ("total", "1 B")):
+    ...     print(line)
+    name   bytes
+    -----  -----
+    a        1 B
+    -----  -----
+    total    1 B
+    """
+    widths = [max(len(r[i]) for r in [header, *rows, total]) for i in range(len(header))]
+
+    def line(cells: tuple[str, ...]) -> str:
+        aligned = (
+            c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        )
+        return "  ".join(aligned).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return [line(header), rule, *map(line, rows), rule, line(total)]
 
 
 def _size(n: int) -> str:

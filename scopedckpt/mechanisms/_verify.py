@@ -61,7 +61,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,6 +69,7 @@ import torch
 from torch import Tensor
 
 from ..core._errors import ScopedCkptError
+from ..core._names import LIBRARY_SOURCES
 from ..core._options import BITWISE
 from ..core._own_ops import internal
 from ..core._state import FORWARD, FRAME, Frame, RegionCall, Tape, region_name
@@ -99,12 +99,6 @@ class _Counters:
 COUNTERS = _Counters()
 
 FRAME_PHASES = frozenset({FORWARD})
-
-_SKIPPED_SOURCES = (
-    os.path.dirname(torch.__file__) + os.sep,
-    os.path.dirname(os.path.dirname(__file__)) + os.sep,  # scopedckpt, every subpackage
-    os.path.dirname(functools.__file__) + os.sep,  # the standard library
-)
 
 
 @dataclass
@@ -190,7 +184,7 @@ def _source() -> tuple[str, bool | None]:
         code = frame.f_code
         if code is _RRELU:
             rrelu = not frame.f_locals.get("training", True)
-        if not code.co_filename.startswith(_SKIPPED_SOURCES):
+        if not code.co_filename.startswith(LIBRARY_SOURCES):
             return f"{code.co_filename}:{frame.f_lineno} (in {code.co_name})", rrelu
         frame = frame.f_back
     return "an unknown line", rrelu

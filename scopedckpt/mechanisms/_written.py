@@ -138,7 +138,11 @@ def _check(tape: Tape, exc_type: object, *exc: object) -> None:
         return
     listing, versions = written.listing, written.versions
     written.versions = []
-    moved = {i for i, p in enumerate(written.parameters) if version_of(p) != versions[i]}
+    now = list(map(version_of, written.parameters))
+    if now == versions:  # the common case: nothing changed, nothing to keep
+        written.copies = {}
+        return
+    moved = {i for i, (a, b) in enumerate(zip(now, versions)) if a != b}
     listing.written_parameters |= moved
     unforeseen = moved - written.copies.keys()
     if unforeseen:

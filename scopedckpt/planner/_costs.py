@@ -32,12 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch.utils.flop_counter import flop_registry
 
 from ._live import tensors
 
-__all__ = ["CONSTANTS", "Constants", "op_cost", "synchronize"]
+__all__ = ["CONSTANTS", "Constants", "op_cost"]
 
 
 @dataclass(frozen=True)
@@ -77,9 +76,3 @@ def op_cost(
             flops = 0
     moved = sum(t.numel() * t.element_size() for t in tensors((args, kwargs, out)))
     return machine.op, flops // machine.flops + moved // machine.bytes
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for ``device``'s queued work (CUDA), so that wall time measures it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -24,7 +24,6 @@ buffers, existing gradients and optimizer state, inputs) is resting state, repor
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import traceback
@@ -37,31 +36,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core._names import frame_region_name
+from ..core._names import LIBRARY_SOURCES, frame_region_name
 from ..core._oom import add_hint
 from ..core._own_ops import issuing_own_ops
 from ..core._state import FRAME, RECOMPUTE, Frame
 from ..core._torch_private import graph_task_key
+from ..mechanisms._report import text_table
 from ._budget import format_bytes
 from ._live import LiveBytes, storages
 from ._timeline import page
 
 __all__ = ["PeakReport", "peak_report", "remember"]
 
-# torch, scopedckpt (every subpackage), the standard library: not the user's source line
-_SKIPPED = tuple(
-    os.path.dirname(f) + os.sep
-    for f in (torch.__file__, os.path.dirname(__file__), functools.__file__)
-)
 Moment = tuple[str, str | None]  # (phase, region)
 
 
 def _line(frame: types.FrameType | None, line: int | None = None) -> str | None:
-    """The innermost source line outside ``_SKIPPED`` from ``frame`` out (the given line, or
-    each frame's current one), or None."""
+    """The innermost source line outside ``LIBRARY_SOURCES`` from ``frame`` out (the given
+    line, or each frame's current one), or None."""
     while frame is not None:
         code = frame.f_code
-        if not code.co_filename.startswith(_SKIPPED):
+        if not code.co_filename.startswith(LIBRARY_SOURCES):
             return f"{code.co_filename}:{line or frame.f_lineno} (in {code.co_name})"
         frame = None if line else frame.f_back
     return None
@@ -114,12 +109,7 @@ class PeakReport:
         share = max(self.peak, 1)
         rows = [(k, format_bytes(n), f"{n / share:.0%}") for k, n in self.live.items()]
         head, total = (f"live {when}", "bytes", "share"), ("total", format_bytes(self.peak), "100%")
-        widths = [max(len(r[i]) for r in [*rows, total, head]) for i in range(3)]
-        lines = [
-            "  ".join([r[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(r[1:], widths[1:]))])
-            for r in [head, ("-",) * 3, *rows, ("-",) * 3, total]
-        ]
-        lines[1] = lines[-2] = "  ".join("-" * w for w in widths)
+        lines = text_table(head, rows, total)
         resting = ", ".join(f"{k} {format_bytes(n)}" for k, n in self.resting.items())
         return "\n".join([*lines, f"not counted (resting before the step): {resting or 'none'}"])
 
@@ -343,25 +333,22 @@ def peak_report(
     return recorder.report(resting)
 
 
-# The latest plan of each planned block's module, by id, for out-of-memory notes.
-_PROFILED: dict[int, weakref.ref[Any]] = {}
+# The latest plan of each planned block's module, weakly both ways, for out-of-memory notes.
+_PROFILED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 
 
 def remember(plan: Any) -> None:
     """Note a plan ``scopedckpt.plan`` just made: an out-of-memory error in one of its
     blocks' regions then says how low a plan of them can go."""
-    if len(_PROFILED) >= 4096:
-        _PROFILED.clear()
-    ref = weakref.ref(plan)
     for block in plan.blocks:
         if block.module is not None:
-            _PROFILED[id(block.module)] = ref
+            _PROFILED[block.module] = weakref.ref(plan)
 
 
 def _profiled(frame: Frame) -> str | None:
-    ref = _PROFILED.get(id(frame.owner))
+    ref = _PROFILED.get(frame.owner) if isinstance(frame.owner, nn.Module) else None
     plan = None if ref is None else ref()
-    if plan is None or not any(block.module is frame.owner for block in plan.blocks):
+    if plan is None:
         return None
     return (
         f"scopedckpt.plan() profiled this model: no plan of its blocks peaks below "

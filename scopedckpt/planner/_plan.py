@@ -20,6 +20,7 @@ from torch import nn
 
 from ..core._errors import ScopedCkptError
 from ..core._names import article
+from ..mechanisms._report import text_table
 from ._blocks import candidates
 from ._budget import format_bytes, parse_budget
 from ._peak import remember
@@ -355,16 +356,8 @@ def format_table(plan: Plan) -> str:
     rows = [row(b.name, b.kind, b.choice, b.kept_bytes, b.recompute_cost) for b in plan.blocks]
     regions = sum(b.choice != "none" for b in plan.blocks)
     kept = sum(b.kept_bytes for b in plan.blocks)
-    rows.append(row("total", "", f"{regions} region{'s' * (regions != 1)}", kept, plan.added_cost))
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: tuple[str, ...]) -> str:
-        return "  ".join(
-            c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
-        )
-
-    rule = line(tuple("-" * w for w in widths))
-    table = [line(header), rule, *map(line, rows[:-1]), rule, line(rows[-1])]
+    total = row("total", "", f"{regions} region{'s' * (regions != 1)}", kept, plan.added_cost)
+    table = text_table(header, rows, total, left=3)
     table.append(
         f"budget {format_bytes(plan.budget)}; predicted peak {format_bytes(plan.peak)} "
         f"(no checkpointing: {format_bytes(plan.no_checkpoint_peak)}, smallest feasible: "

@@ -28,8 +28,9 @@ most bytes live during its backward less what the blocks up to it keep there
 (``rebuild``; what a full region keeps is measured there too: its output, and
 any record the region holds, its fingerprints included: that step verifies every
 region bit for bit, as a step does at each site's first call and sampled
-ones). A ``save=`` preset keeps the outputs of the ops it selects besides, and rebuilds that much less of the forward's growth as
-the step without regions saw it, op by op. The model gives the peak without
+ones). A ``save=`` preset keeps the outputs of the ops it selects besides, and
+rebuilds that much less of the forward's growth as the step without regions saw
+it, op by op. The model gives the peak without
 regions exactly and the one with every block a full region exactly; mixed
 plans assume the rest of the step is unchanged, which :mod:`benchmarks.plan`
 checks against measured peaks.
@@ -56,7 +57,7 @@ from ..core._errors import ScopedCkptError
 from ..core._policy import as_policy
 from ..core._sampling import suspended
 from ..core._scope import checkpointing
-from ._costs import CONSTANTS, Constants, op_cost, synchronize
+from ._costs import CONSTANTS, Constants, op_cost
 from ._live import OUTSIDE, LiveBytes, tensors
 from ._solve import Choice
 from ._untouched import Untouched
@@ -242,6 +243,12 @@ class _Instrumented:
                 self.backward_started.add(k)
 
         return started
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA), so that wall time measures it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def profile_step(
