@@ -9,7 +9,8 @@ or says how to get one, and gives the most likely fix; details follow on later l
 from __future__ import annotations
 
 import re
-from typing import ClassVar
+import types
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -557,3 +558,86 @@ def test_an_out_of_memory_error_in_a_planned_region_says_how_low_a_plan_goes() -
     (note,) = error.value.__notes__
     assert "scopedckpt.plan() profiled this model: no plan of its blocks peaks below " in note
     assert format_bytes(plan.smallest_budget) in note
+
+
+class OutOfMemoryOutsideRegions(nn.Module):
+    """Raises torch's out-of-memory error in its backward, outside any region, while armed."""
+
+    armed: ClassVar[bool] = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FailsInBackward.apply(x)
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 1
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if not OutOfMemoryOutsideRegions.armed:
+            return grad
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+
+def test_an_out_of_memory_error_outside_regions_in_a_memory_report_says_so_and_what_ran() -> None:
+    """Raised in backward outside any region, inside a memory_report() block: one note names
+    the block, the innermost line outside torch (the raise here; for torch's own error, the
+    user's call into torch), the regions measured so far and, where plan() profiled the
+    model, how low a plan goes."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), OutOfMemoryOutsideRegions(), nn.Linear(4, 1))
+    x = _x()
+    plan = scopedckpt.plan(model, x, budget=1.0, blocks=[model[0]], loss_fn=lambda y: y.sum())
+    OutOfMemoryOutsideRegions.armed = True
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match=r"^CUDA out of memory") as error:
+            with scopedckpt.memory_report(root=model):
+                with scopedckpt.checkpointing(model[0]):
+                    loss = model(x).sum()
+                loss.backward()
+    finally:
+        OutOfMemoryOutsideRegions.armed = False
+    (note,) = error.value.__notes__
+    del error  # its traceback holds the region, and with it the scope's patches
+    first, *rest = note.splitlines()
+    assert first.startswith(
+        f"scopedckpt: out of memory in a memory_report() block, outside any region, at {__file__}:"
+    )
+    assert first.endswith(f"({_RAISE}).")
+    assert rest[0] == "The regions it measured so far:" and rest[3].startswith("0 ")
+    assert format_bytes(plan.smallest_budget) in note
+
+
+_RAISE = 'raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")'
+
+
+def _out_of_memory() -> None:
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+
+# The same function, its code said to be torch's: an error raised inside torch.
+_in_torch = types.FunctionType(
+    _out_of_memory.__code__.replace(co_filename=torch.__file__), globals()
+)
+
+
+class RunsOutOfMemoryInTorch(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _in_torch()  # the line the note names
+        return x
+
+
+def test_an_out_of_memory_error_outside_regions_in_a_scope_gets_one_note() -> None:
+    """In a checkpointing() scope (the forward outside its regions), inside a memory_report()
+    block too: the innermost block adds the note, once, naming the innermost line outside
+    torch (the call into torch)."""
+    model = nn.Sequential(nn.Linear(4, 4), RunsOutOfMemoryInTorch(), nn.Linear(4, 1))
+    with pytest.raises(torch.OutOfMemoryError) as error, scopedckpt.memory_report():
+        with scopedckpt.checkpointing(model[0], root=model):
+            model(_x())
+    (note,) = error.value.__notes__
+    del error
+    first = note.splitlines()[0]
+    assert first.startswith("scopedckpt: out of memory in a checkpointing() scope, outside any")
+    assert f"{__file__}:" in first and first.endswith("(_in_torch()  # the line the note names).")

@@ -31,6 +31,7 @@ benchmarks/real_imports.py, and tests/real_models.py turns a missing package int
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -126,6 +127,45 @@ def test_plans_train_exactly(family: str, fraction: float) -> None:
         loss_fn=built.loss_fn,
         require_regions=any(b.choice != "none" for b in plan.blocks),
     )
+
+
+@pytest.mark.parametrize("family", ["timm-resnet-droppath-dropblock", "timm-vit-fused"])
+def test_peak_report_attributes_the_whole_measured_peak(family: str) -> None:
+    """``peak_report`` on a timm model whose blocks are regions (issue 43): over three SGD
+    steps with momentum, each report's categories sum to its peak, which is
+    ``measure_peak``'s for the same step of a twin, and the twins train bit for bit alike."""
+    built = FAMILIES[family]()
+    model = built.model.train()
+    twin = copy.deepcopy(model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (model, twin)]
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        with scopedckpt.checkpointing(*_same_blocks(built, model)):
+            loss = built.loss_fn(model(*built.inputs))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for seed in range(3):
+        torch.manual_seed(seed)
+        report = scopedckpt.peak_report(
+            step, model, optimizers[0], root=model, optimizer=optimizers[0]
+        )
+        torch.manual_seed(seed)
+        assert report.peak == scopedckpt.measure_peak(step, twin, optimizers[1])
+        assert sum(report.live.values()) == report.peak
+        # every block's forward and recompute are moments of the timeline, by module path
+        paths = {n for n, m in model.named_modules() if any(m is t for t in built.targets)}
+        assert {region for _, _, region in report.phases} >= paths
+    for a, b in zip(model.state_dict().values(), twin.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def _same_blocks(built: Built, model: nn.Module) -> list[nn.Module]:
+    """``built.targets``, as the modules at the same paths in ``model`` (a copy)."""
+    paths = {id(m): name for name, m in built.model.named_modules()}
+    modules = dict(model.named_modules())
+    return [modules[paths[id(block)]] for block in built.targets]
 
 
 def _train(built: Built, seed: int, steps: int = STEPS) -> tuple[list[Tensor], list[Tensor]]:

@@ -21,7 +21,7 @@ from scopedckpt.integrations import patch_torch_checkpoint
 from scopedckpt.mechanisms import _verify
 from scopedckpt.testing import assert_checkpoint_equivalent
 
-from .strategies import Case, Region, cases
+from .strategies import Case, ProgramModel, Region, cases
 
 
 class _Tally:
@@ -447,6 +447,21 @@ def test_a_batch_norm_called_twice_in_a_region_passes_bitwise_verification() -> 
     assert_checkpoint_equivalent(
         model, torch.randn(8, 4), targets=[model[0]], steps=3, determinism_check="bitwise"
     )
+
+
+def test_a_divergence_before_a_nested_call_of_a_batch_norm_is_named_where_it_happens() -> None:
+    """A batch norm called before a value that moves in recomputes only, and after it in a
+    nested region and again (found by the thorough profile of the property test above):
+    the error names the op that diverged (a saved tensor of OneValueMoved), not the
+    statistics the batch norm's first call saved and its later calls update in place."""
+    norm = nn.BatchNorm1d(1, momentum=None, affine=False)
+    nested = Region((Region((0,), False),), False)
+    model = ProgramModel([norm, OneValueMoved(0)], (Region((0, 1, nested, 0), False),))
+    x = torch.tensor([[1.5410], [-0.2934]])
+    with pytest.raises(scopedckpt.ScopedCkptError, match="bitwise verification failed") as error:
+        assert_checkpoint_equivalent(model, x, targets=(), seed=0, determinism_check="bitwise")
+    line = re.search(r"test_verify\.py:(\d+) \(in forward\)", str(error.value))
+    assert line is not None and int(line.group(1)) in _lines(OneValueMoved), str(error.value)
 
 
 def test_a_verified_region_keeps_its_input_no_longer_than_its_backward() -> None:

@@ -1,33 +1,37 @@
-"""Out-of-memory errors raised in a region say where they happened: a note on torch's own
-error naming the region in flight, its phase, the device allocator's counts, and the fixes.
+"""Out-of-memory errors raised under scopedckpt say where they happened: a note on torch's
+own error naming the region in flight and its phase (or the block it left, outside any
+region, and the user's line it was raised at), the device allocator's counts, and the fixes.
 
 The note (PEP 678, ``BaseException.add_note``) changes neither the error's type nor
 its message, so code catching ``torch.OutOfMemoryError`` behaves as before; Python
-prints notes under the traceback. The innermost region frame the error leaves adds it,
-once: enclosing regions and later frames find the error marked. It costs nothing until
-an error is raised: what was live at the failing moment needs the counting mode, which
-``scopedckpt.peak_report`` runs (NOTE [ peak attribution ]).
+prints notes under the traceback. The innermost place the error leaves adds it, once:
+a region frame, else a ``checkpointing()`` scope or a ``memory_report()`` block (which
+adds the regions it measured so far); enclosing ones find the error marked. It costs
+nothing until an error is raised: what was live at the failing moment needs the
+counting mode, which ``scopedckpt.peak_report`` runs (NOTE [ peak attribution ]).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterable
 
 import torch
+from torch import nn
 
-from ._names import frame_region_name
+from ._names import LIBRARY_SOURCES, frame_region_name
 from ._state import RECOMPUTE, Frame
 
-__all__ = ["add_hint", "explain"]
+__all__ = ["add_hint", "explain", "explain_outside"]
 
 _NOTED = "_scopedckpt_noted"
-# Lines other packages add about the failing frame (the planner: a plan it made that names
-# the region's module), or None.
-_HINTS: list[Callable[[Frame], str | None]] = []
+# Lines other packages add about the modules in flight (the planner: a plan it made of
+# their blocks), or None.
+_HINTS: list[Callable[[Iterable[nn.Module]], str | None]] = []
 
 
-def add_hint(hint: Callable[[Frame], str | None]) -> None:
-    """Add a line the note may carry: ``hint(frame)``, where not None."""
+def add_hint(hint: Callable[[Iterable[nn.Module]], str | None]) -> None:
+    """Add a line the note may carry: ``hint(modules)``, where not None."""
     _HINTS.append(hint)
 
 
@@ -43,11 +47,39 @@ def explain(error: BaseException, frame: Frame) -> None:
     >>> print(error.__notes__[0].splitlines()[0])
     scopedckpt: out of memory in the first forward of the region of a Linear module (pass root=model to checkpointing() for its path).
     """
+    phase = "recompute (in backward)" if frame.phase is RECOMPUTE else "first forward"
+    owner = frame.owner
+    modules = [owner] if isinstance(owner, nn.Module) else []
+    _note(error, f"the {phase} of {frame_region_name(frame)}", modules)
+
+
+def explain_outside(
+    error: BaseException, block: str, modules: Iterable[nn.Module], so_far: str = ""
+) -> None:
+    """Add the note to ``error`` leaving ``block`` (``"a checkpointing() scope"``),
+    raised outside any region, unless a region or an inner block did: it names the
+    user's line the error was raised at, and adds ``so_far`` (what the block measured).
+    """
+    line = _user_line(error)
+    where = f"{block}, outside any region" + (f", at {line}" if line else "")
+    _note(error, where, [m for module in modules for m in module.modules()], so_far)
+
+
+def _user_line(error: BaseException) -> str | None:
+    """The innermost line of the traceback outside torch, scopedckpt and the standard
+    library (``loss.backward()`` for an error raised in backward), or None."""
+    found = None
+    for summary in traceback.extract_tb(error.__traceback__):
+        if not summary.filename.startswith(LIBRARY_SOURCES):
+            found = f"{summary.filename}:{summary.lineno} ({summary.line})"
+    return found
+
+
+def _note(error: BaseException, where: str, modules: list[nn.Module], so_far: str = "") -> None:
     if getattr(error, _NOTED, False):
         return
     setattr(error, _NOTED, True)
-    phase = "recompute (in backward)" if frame.phase is RECOMPUTE else "first forward"
-    lines = [f"scopedckpt: out of memory in the {phase} of {frame_region_name(frame)}."]
+    lines = [f"scopedckpt: out of memory in {where}."]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         gib = 2**30
         lines.append(
@@ -55,7 +87,9 @@ def explain(error: BaseException, frame: Frame) -> None:
             f"GiB allocated, {torch.cuda.max_memory_allocated() / gib:.2f} GiB at most since "
             f"the last reset, {torch.cuda.memory_reserved() / gib:.2f} GiB reserved."
         )
-    lines.extend(line for hint in _HINTS if (line := hint(frame)) is not None)
+    if so_far:
+        lines.append(so_far)
+    lines.extend(line for hint in _HINTS if (line := hint(modules)) is not None)
     lines.append(
         "To see what was live and when, run one step under scopedckpt.peak_report(step, "
         "root=model); to fit a budget, let scopedckpt.plan(model, x, budget=...) choose the "

@@ -14,6 +14,7 @@ from torch import nn
 from . import _targets
 from ._errors import ScopedCkptError
 from ._names import article
+from ._oom import explain_outside
 from ._options import DETERMINISM_CHECKS
 from ._paths import EAGER, enter_block, exit_block, where
 from ._policy import SavePolicy, as_policy, traced_policy_info
@@ -244,6 +245,9 @@ class checkpointing:  # noqa: N801 - reads like the docs: ``with checkpointing()
         if where() is not EAGER:
             _targets.exit_traced(*self._traced.pop())
             return
+        if len(exc) > 1 and isinstance(exc[1], torch.OutOfMemoryError):
+            modules = [t for t in (self._root, *self._targets) if isinstance(t, nn.Module)]
+            explain_outside(exc[1], "a checkpointing() scope", modules)
         token, patches, mirrored = self._entries.pop()
         try:
             SCOPE.reset(token)

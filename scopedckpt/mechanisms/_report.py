@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
+from ..core._oom import explain_outside
 from ..core._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape
 from ..core._subtree import Listing
 from ..core._torch_private import base_of, top_saved_tensors_hooks
@@ -216,6 +217,10 @@ def memory_report(root: torch.nn.Module | None = None) -> Iterator[MemoryReport]
         _ACTIVE.append(report)
     try:
         yield report
+    except torch.OutOfMemoryError as error:
+        so_far = f"The regions it measured so far:\n{report}" if report.rows else ""
+        explain_outside(error, "a memory_report() block", [root] if root else [], so_far)
+        raise
     finally:
         with _LOCK:
             _ACTIVE.remove(report)

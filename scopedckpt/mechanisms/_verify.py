@@ -117,10 +117,11 @@ class Verifying:
 
 
 # Marks tensors that regions save but whose values are not compared (by shape, dtype
-# and device only): normalization layers' running statistics. Their kernels update them
-# in place without moving the version counter, a later call of the same module in the
-# region updates them again, and backward in training does not read them; recomputes
-# save copies (the buffer guard's, scoped batch norm's throwaway ones).
+# and device only): normalization layers' running statistics. Backward in training does
+# not read them, and a later call of the same module in the region updates them in
+# place: compared, a recompute that diverged anywhere before that call would be named at
+# the statistics, not at the op that diverged. Recomputes save copies (the buffer
+# guard's, scoped batch norm's throwaway ones).
 _NOT_VERIFIED = "_scopedckpt_not_verified"
 
 

@@ -39,7 +39,7 @@ from torch import nn
 from ..core._names import LIBRARY_SOURCES, frame_region_name
 from ..core._oom import add_hint
 from ..core._own_ops import issuing_own_ops
-from ..core._state import FRAME, RECOMPUTE, Frame
+from ..core._state import FRAME, RECOMPUTE
 from ..core._torch_private import graph_task_key
 from ..mechanisms._report import text_table
 from ._budget import format_bytes
@@ -345,9 +345,10 @@ def remember(plan: Any) -> None:
             _PROFILED[block.module] = weakref.ref(plan)
 
 
-def _profiled(frame: Frame) -> str | None:
-    ref = _PROFILED.get(frame.owner) if isinstance(frame.owner, nn.Module) else None
-    plan = None if ref is None else ref()
+def _profiled(modules: Iterable[nn.Module]) -> str | None:
+    """The out-of-memory note's line on the latest plan of a block among ``modules``."""
+    refs = (ref for m in modules if (ref := _PROFILED.get(m)) is not None)
+    plan = next((plan for ref in refs if (plan := ref()) is not None), None)
     if plan is None:
         return None
     return (

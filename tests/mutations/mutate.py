@@ -351,6 +351,30 @@ MUTANTS: tuple[Mutant, ...] = (
         "an out-of-memory error in a planned region does not say how low a plan goes",
     ),
     Mutant(
+        "oom_outside_regions_unexplained",
+        "scopedckpt/mechanisms/_report.py",
+        "    except torch.OutOfMemoryError as error:",
+        "    except ZeroDivisionError as error:",
+        ("tests/test_errors.py",),
+        "an out-of-memory error in a memory_report() block outside regions says nothing",
+    ),
+    Mutant(
+        "oom_outside_regions_in_a_scope_unexplained",
+        "scopedckpt/core/_scope.py",
+        "        if len(exc) > 1 and isinstance(exc[1], torch.OutOfMemoryError):",
+        "        if False:",
+        ("tests/test_errors.py",),
+        "an out-of-memory error between a scope's regions is explained by an outer block only",
+    ),
+    Mutant(
+        "oom_names_a_library_line",
+        "scopedckpt/core/_oom.py",
+        "        if not summary.filename.startswith(LIBRARY_SOURCES):",
+        "        if True:",
+        ("tests/test_errors.py",),
+        "the note outside regions names torch's or scopedckpt's line, not the user's",
+    ),
+    Mutant(
         "oom_left_unexplained",
         "scopedckpt/core/_engine.py",
         "        if failed and isinstance(exc, torch.OutOfMemoryError):",
@@ -908,8 +932,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "        not_verified(module.running_mean, module.running_var)",
         "        pass",
         ("tests/test_verify.py",),
-        "exact models with batch norm fail verification on running statistics backward "
-        "does not read",
+        "a divergence before a batch norm's later call is named at the batch norm, whose "
+        "statistics that call updates in place, not at the op that diverged",
+    ),
+    Mutant(
+        "verify_compares_scoped_running_statistics",
+        "scopedckpt/layers/_layers.py",
+        "            not_verified(running_mean, running_var)",
+        "            pass",
+        ("tests/test_verify.py",),
+        "exact models with scoped batch norm fail verification on the throwaway copies of "
+        "running statistics their recompute saves",
     ),
     Mutant(
         "verify_failure_keeps_target_patches",
