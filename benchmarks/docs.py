@@ -1,13 +1,14 @@
-"""Rewrite the generated tables of docs/benchmarks.md from ``benchmarks/results/*.json``.
+"""Rewrite the generated tables of docs/benchmarks.md and docs/memory.md from
+``benchmarks/results/*.json``.
 
 Run from the repository root::
 
-    python -m benchmarks.docs            # rewrite docs/benchmarks.md in place
-    python -m benchmarks.docs --check    # exit 1 if it is not what the results give
+    python -m benchmarks.docs            # rewrite both pages in place
+    python -m benchmarks.docs --check    # exit 1 if one is not what the results give
 
 A generated region is everything between a ``<!-- generated: NAME -->`` line and the
 next ``<!-- end generated -->`` line; NAME is a key of ``tables.TABLES`` or
-``targets``. Everything outside the regions is left as written. Rendering reads the
+``targets`` (or of ``peak.TABLES``, docs/memory.md's). Everything outside the regions is left as written. Rendering reads the
 results files only: it runs no benchmark.
 """
 
@@ -19,10 +20,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from . import RESULTS, ROOT, plan_tables, targets
+from . import RESULTS, ROOT, peak, plan_tables, targets
 from .tables import TABLES, Results
 
 DOC = ROOT / "docs" / "benchmarks.md"
+PAGES = (DOC, ROOT / "docs" / "memory.md")  # every page with generated regions
 REGION = re.compile(
     r"^(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)^(<!-- end generated -->)$",
     re.MULTILINE | re.DOTALL,
@@ -31,6 +33,7 @@ OPENING = re.compile(r"^<!-- generated:", re.MULTILINE)
 RENDERERS: dict[str, Callable[[Results], list[str]]] = {
     **TABLES,
     **plan_tables.TABLES,
+    **peak.TABLES,
     "targets": targets.render,
 }
 
@@ -63,9 +66,9 @@ def render(text: str, results: Results) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Rewrite (or ``--check``) each document named, docs/benchmarks.md by default."""
+    """Rewrite (or ``--check``) each document named, every page of ``PAGES`` by default."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("paths", nargs="*", type=Path, default=[DOC])
+    parser.add_argument("paths", nargs="*", type=Path, default=list(PAGES))
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if stale")
     args = parser.parse_args(argv)
     results = Results(RESULTS)

@@ -1,29 +1,35 @@
 """The example and the cost of ``scopedckpt.peak_report()`` in docs/memory.md ("Where did my
 memory go").
 
-Run as ``python -m benchmarks.peak [--rounds N] [--html PATH]``. It prints the report of one
+Run as ``python -m benchmarks.peak [--rounds N] [--html PATH]``. It writes
+``results/peak.json`` and the page's picture, ``docs/peak-timeline.svg``, from which
+``python -m benchmarks.docs`` renders the report and the costs in docs/memory.md. It reports one
 training step of the page's model (four converted ``nn.TransformerEncoderLayer`` regions
 between two linear layers, AdamW, batch 8 x 128 tokens, 2 threads), taken after a first
 step (whose every region is verified bit for bit, and whose optimizer state is new), then
-the step time plainly, under ``measure_peak`` and under ``peak_report``: the median of
-``--rounds`` interleaved rounds, each round one step of each in turn, on that model and on
-a small one whose ops are cheap, where the per-op cost shows most (8 converted blocks of
-Linear(256, 256), BatchNorm1d, GELU, Dropout, each a region; batch 512). Nothing is
-written unless ``--html`` names the page ``report.save_html`` writes.
+the step time plainly, under ``measure_peak`` and under ``peak_report``: paired ratios to
+``measure_peak`` over ``--rounds`` interleaved rounds (``timing.paired``: median and 95 %
+interval), on that model and on a small one whose ops are cheap, where the per-op cost
+shows most (8 converted blocks of Linear(256, 256), BatchNorm1d, GELU, Dropout, each a
+region; batch 512). ``--html`` also writes the page ``report.save_html`` writes.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import re
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 import scopedckpt
-from benchmarks import THREADS
+from benchmarks import ROOT, THREADS, timing
+from benchmarks.tables import Results, number
+
+PICTURE = ROOT / "docs" / "peak-timeline.svg"
 
 
 def model_and_step() -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
@@ -69,43 +75,83 @@ def small_model_and_step() -> tuple[nn.Module, torch.optim.Optimizer, Callable[[
 
 def overhead(
     model: nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[], None], rounds: int
-) -> None:
-    """Print the median step time plainly, under measure_peak and under peak_report."""
+) -> dict[str, list[float]]:
+    """Seconds of one step plainly, under measure_peak and under peak_report, per round."""
     runs: dict[str, Callable[[], object]] = {
         "plain step": step,
         "measure_peak(step)": lambda: scopedckpt.measure_peak(step),
         "peak_report(step)": lambda: scopedckpt.peak_report(step, root=model, optimizer=optimizer),
     }
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            began = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - began)
-    medians = {name: statistics.median(seconds) for name, seconds in times.items()}
-    for name, seconds in medians.items():
-        ratio = seconds / medians["measure_peak(step)"]
-        print(f"  {name:<20} {seconds * 1e3:8.1f} ms  {ratio:.2f}x measure_peak")
+    return timing.interleaved_rounds(runs, calls=1, rounds=rounds)
+
+
+def svg(html: str) -> str:
+    """The page's picture as a file of its own (the namespace a page leaves implicit)."""
+    found = re.search(r"<svg .*?</svg>", html, re.DOTALL)
+    assert found is not None
+    return found[0].replace("<svg ", '<svg xmlns="http://www.w3.org/2000/svg" ', 1) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--html", help="write report.save_html(...) here")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--html", help="write report.save_html(...) here too")
     options = parser.parse_args()
     torch.set_num_threads(THREADS)
     model, optimizer, step = model_and_step()
     step()  # the first step: every region verified, the optimizer's state made
     report = scopedckpt.peak_report(step, root=model, optimizer=optimizer)
     print(report)
-    if options.html:
-        report.save_html(options.html)
-    print(f"\nmedian of {options.rounds} interleaved rounds, torch {torch.__version__}:")
-    overhead(model, optimizer, step, options.rounds)
+    page = ROOT / "peak.html" if options.html is None else Path(options.html)
+    report.save_html(page)
+    PICTURE.write_text(svg(page.read_text()))
+    if options.html is None:
+        page.unlink()
+    costs = {"transformer": overhead(model, optimizer, step, options.rounds)}
     small, small_optimizer, small_step = small_model_and_step()
     small_step()
-    print("the small model of cheap ops:")
-    overhead(small, small_optimizer, small_step, options.rounds)
+    costs["small"] = overhead(small, small_optimizer, small_step, options.rounds)
+    rows = [
+        {"model": name, "variant": variant, "rounds": len(times[variant]),
+         "ratio": timing.paired(times, variant, "measure_peak(step)")}
+        for name, times in costs.items()
+        for variant in ("plain step", "peak_report(step)")
+    ]  # fmt: skip
+    here = str(ROOT) + "/"  # paths below the repository, relative: the same in any clone
+    data = {**report.to_dict(), "source": report.source.replace(here, "")}
+    extra = {"report": data, "text": str(report).replace(here, ""), "picture": PICTURE.name}
+    timing.save_paired_results("peak", rows, THREADS, options.rounds < 15, extra)
+    for row in rows:
+        print(row["model"], row["variant"], "/ measure_peak:", row["ratio"])
+
+
+def report_text(results: Results) -> list[str]:
+    """docs/memory.md's report, as printed."""
+    data = results["peak"]
+    text = data["text"]
+    return [f"Output (torch {data['torch']}, CPU, {data['threads']} threads):", "", "```text",
+            *text.splitlines(), "```"]  # fmt: skip
+
+
+def costs(results: Results) -> list[str]:
+    """docs/memory.md's cost table: time per step relative to measure_peak's, paired."""
+    data = results["peak"]
+    lines = ["| model | step | × `measure_peak(step)`, median (95 % interval) | rounds |",
+             "| --- | --- | --- | --- |"]  # fmt: skip
+    for row in data["rows"]:
+        median, low, high = row["ratio"]
+        lines.append(
+            f"| {_MODELS[row['model']]} | `{row['variant']}` | {number(median)} "
+            f"({number(low)}–{number(high)}) | {row['rounds']} |"
+        )
+    return lines
+
+
+_MODELS: dict[str, Any] = {
+    "transformer": "the transformer above",
+    "small": "8 regions of cheap ops",
+}
+TABLES = {"peak-report": report_text, "peak-cost": costs}
 
 
 if __name__ == "__main__":

@@ -340,6 +340,7 @@ WRITTEN_BY = {
     "verify": "python -m benchmarks.verify",
     "plan": "python -m benchmarks.run --plan",
     "compile_budget": "python -m benchmarks.compile_budget",
+    "peak": "python -m benchmarks.peak",
 }
 
 

@@ -22,10 +22,11 @@ PACKAGE = ROOT / "benchmarks"
 ENTRY_POINTS = {"run", "docs"}  # no other module imports these
 
 
-def test_benchmarks_page_is_generated_from_the_results_files() -> None:
-    text = docs.DOC.read_text()
+@pytest.mark.parametrize("page", docs.PAGES, ids=lambda path: path.name)
+def test_each_page_is_generated_from_the_results_files(page: Path) -> None:
+    text = page.read_text()
     rendered = docs.render(text, tables.Results(RESULTS))
-    assert rendered == text, "docs/benchmarks.md is stale: run `python -m benchmarks.docs`"
+    assert rendered == text, f"docs/{page.name} is stale: run `python -m benchmarks.docs`"
 
 
 def test_every_results_file_is_on_the_page_with_the_command_that_writes_it() -> None:
@@ -37,7 +38,8 @@ def test_every_results_file_is_on_the_page_with_the_command_that_writes_it() -> 
 
 
 def test_every_marker_names_a_table_and_every_table_is_used() -> None:
-    used = re.findall(r"^<!-- generated: ([\w-]+) -->$", docs.DOC.read_text(), re.MULTILINE)
+    text = "".join(page.read_text() for page in docs.PAGES)
+    used = re.findall(r"^<!-- generated: ([\w-]+) -->$", text, re.MULTILINE)
     assert sorted(used) == sorted(docs.RENDERERS)
 
 

@@ -192,6 +192,21 @@ def test_gradients_that_dominate_are_the_largest_category() -> None:
     assert report.live["gradients"] >= 2 * 1024 * 1024 * 4
 
 
+def test_gradients_a_step_assigns_itself_are_gradients() -> None:
+    """Made by ``torch.autograd.grad`` and assigned to ``.grad`` (no accumulation hook
+    runs): still the gradients, found on the parameters when the step ends."""
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    x = torch.randn(2, 1024)
+
+    def step() -> None:
+        grads = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+
+    report = scopedckpt.peak_report(step, root=model)
+    assert report.live["gradients"] >= 2 * 1024 * 1024 * 4
+
+
 def test_out_of_memory_names_the_region_in_flight_and_keeps_the_original() -> None:
     torch.manual_seed(0)
     model, x = Wide(), torch.randn(16, 64)

@@ -91,6 +91,7 @@ class LiveBytes(TorchDispatchMode):
         observe: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], None] | None = None,
         before: Callable[[Any, tuple[Any, ...], dict[str, Any]], None] | None = None,
         freed: Callable[[int, int], None] | None = None,
+        grown: Callable[[int, int, bool], None] | None = None,
     ) -> None:
         super().__init__()
         self.live = 0
@@ -101,6 +102,9 @@ class LiveBytes(TorchDispatchMode):
         self.observe = observe  # called (func, args, kwargs, output) after every op
         self.before = before  # called (func, args, kwargs) before every op
         self.freed = freed  # called (serial, bytes) when a counted storage is freed
+        # called (serial, bytes, new) when an op made a counted storage or grew one, before
+        # ``observe``
+        self.grown = grown
         self._lock = threading.Lock()
         self._serial = 0
         self._aliasing: dict[Any, bool] = {}  # op -> whether it returns an argument's alias
@@ -148,16 +152,20 @@ class LiveBytes(TorchDispatchMode):
                 grown, tag = nbytes - entry[1], entry[2]  # resized in place (out= ops, resize_)
                 if grown <= 0:
                     return
-                self._counted[key] = (entry[0], nbytes, tag, entry[3])
+                serial = entry[3]
+                self._counted[key] = (entry[0], nbytes, tag, serial)
             else:
                 grown, tag = nbytes, self.tag
                 ref = weakref.ref(storage, self._freed_callback(key))
                 self._serial += 1
-                self._counted[key] = (ref, nbytes, tag, self._serial)
+                serial = self._serial
+                self._counted[key] = (ref, nbytes, tag, serial)
             self.live += grown
             self.by_tag[tag] = self.by_tag.get(tag, 0) + grown
             if self.live > self.peak:
                 self.peak = self.live
+        if self.grown is not None:
+            self.grown(serial, grown, entry is None)
 
     def _freed_callback(self, key: int) -> Callable[[Any], None]:
         # A weak reference to self: a storage outliving the counter must not keep it.

@@ -130,22 +130,24 @@ class _Recorder:
     """Watches one step through a :class:`LiveBytes` counter (NOTE [ peak attribution ])."""
 
     def __init__(self, root: nn.Module | None, limit: int | None) -> None:
-        self.counter = LiveBytes(observe=self.observe, before=self.before, freed=self.freed)
+        self.counter = LiveBytes(
+            observe=self.observe, before=self.before, freed=self.freed, grown=self.grown
+        )
         self.paths = {} if root is None else {id(m): p for p, m in root.named_modules()}
         self.limit, self.stepping = limit, False  # stepping: inside the optimizer's step
         self.moments: dict[Any, Moment] = {}  # a frame's (phase, owner id), or a phase
-        self.now: tuple[Moment, bool, str] = (("forward", None), False, "")  # moment, own, op
+        self.now: tuple[Moment, bool, Any] = (("forward", None), False, "")  # moment, own, op
         self.made: dict[int, tuple[Moment, bool]] = {}  # serial -> (moment, own) that made it
         self.sizes: dict[int, int] = {}  # serial -> bytes, of counted storages live now
         self.events: list[tuple[int, int]] = []  # (serial, bytes made or grown; - freed)
         self.timeline: list[int] = []  # the counter's live after each op
         self.phases: list[tuple[int, str, str | None]] = []
         self.marked: dict[int, str] = {}  # serial -> gradients / optimizer state
-        self.best: tuple[int, int, int, Moment, str, str] = (-1, 0, 0, self.now[0], "", "")
+        self.best: tuple[int, int, int, Moment, Any, str] = (-1, 0, 0, self.now[0], "", "")
         # The op in flight (events before it, its index, now), whether it has not returned
         # yet (it raised, if another op starts), and the latest op that raised.
-        self.inflight: tuple[int, int, tuple[Moment, bool, str]] = (0, 0, self.now)
-        self.raised: tuple[int, int, tuple[Moment, bool, str]] = self.inflight
+        self.inflight: tuple[int, int, tuple[Moment, bool, Any]] = (0, 0, self.now)
+        self.raised: tuple[int, int, tuple[Moment, bool, Any]] = self.inflight
         self.pending = False
 
     def before(self, func: Any, args: Any, kwargs: Any) -> None:
@@ -166,18 +168,17 @@ class _Recorder:
             self.phases.append((len(self.timeline), *moment))
         if self.pending:  # the op before raised: the ops after it (clean-up) must not hide it
             self.raised = self.inflight
-        self.now = (moment, issuing_own_ops(), str(func))
+        self.now = (moment, issuing_own_ops(), func)  # named in the report only
         self.inflight, self.pending = (len(self.events), len(self.timeline), self.now), True
+
+    def grown(self, serial: int, nbytes: int, new: bool) -> None:
+        if new:
+            self.made[serial] = self.now[:2]
+        self.sizes[serial] = self.sizes.get(serial, 0) + nbytes
+        self.events.append((serial, nbytes))
 
     def observe(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         self.pending = False
-        for nbytes, _, serial in self.counter.counted(out):
-            had = self.sizes.get(serial, 0)
-            if not had:
-                self.made[serial] = self.now[:2]
-            if nbytes > had:
-                self.sizes[serial] = nbytes
-                self.events.append((serial, nbytes - had))
         live, at = self.counter.live, len(self.timeline)
         self.timeline.append(live)
         if live > self.best[0]:
@@ -225,7 +226,7 @@ class _Recorder:
             live[name] = live.get(name, 0) + nbytes
         live = dict(sorted(((k, n) for k, n in live.items() if n), key=lambda i: (-i[1], i[0])))
         return PeakReport(
-            sum(live.values()), *moment, op, source, at, live, resting,
+            sum(live.values()), *moment, str(op), source, at, live, resting,
             tuple(self.timeline), tuple(self.phases),
         )  # fmt: skip
 
