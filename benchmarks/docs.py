@@ -7,9 +7,10 @@ Run from the repository root::
     python -m benchmarks.docs --check    # exit 1 if one is not what the results give
 
 A generated region is everything between a ``<!-- generated: NAME -->`` line and the
-next ``<!-- end generated -->`` line; NAME is a key of ``tables.TABLES`` or
-``targets`` (or of ``peak.TABLES``, docs/memory.md's). Everything outside the regions is left as written. Rendering reads the
-results files only: it runs no benchmark.
+next ``<!-- end generated -->`` line; NAME is a key of ``tables.TABLES``,
+``plan_tables.TABLES`` or ``peak.TABLES`` (docs/memory.md's), or ``targets``. Everything
+outside the regions is left as written. Rendering reads the results files only: it runs
+no benchmark.
 """
 
 from __future__ import annotations

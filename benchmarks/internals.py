@@ -27,6 +27,7 @@ from scopedckpt.planner._live import LiveBytes
 from scopedckpt.planner._plan import choose
 from scopedckpt.planner._profile import profile_step
 from scopedckpt.planner._solve import solve
+from scopedckpt.planner._timeline import svg as timeline_svg
 
 __all__ = [
     "PIECES",
@@ -44,6 +45,7 @@ __all__ = [
     "random_words",
     "saved_activation_bytes",
     "solve",
+    "timeline_svg",
 ]
 
 

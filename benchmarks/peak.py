@@ -17,17 +17,15 @@ region; batch 512). ``--html`` also writes the page ``report.save_html`` writes.
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 import scopedckpt
 from benchmarks import ROOT, THREADS, timing
-from benchmarks.tables import Results, number
+from benchmarks.internals import timeline_svg
+from benchmarks.tables import Results, interval, table
 
 PICTURE = ROOT / "docs" / "peak-timeline.svg"
 
@@ -85,13 +83,6 @@ def overhead(
     return timing.interleaved_rounds(runs, calls=1, rounds=rounds)
 
 
-def svg(html: str) -> str:
-    """The page's picture as a file of its own (the namespace a page leaves implicit)."""
-    found = re.search(r"<svg .*?</svg>", html, re.DOTALL)
-    assert found is not None
-    return found[0].replace("<svg ", '<svg xmlns="http://www.w3.org/2000/svg" ', 1) + "\n"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
@@ -102,19 +93,20 @@ def main() -> None:
     step()  # the first step: every region verified, the optimizer's state made
     report = scopedckpt.peak_report(step, root=model, optimizer=optimizer)
     print(report)
-    page = ROOT / "peak.html" if options.html is None else Path(options.html)
-    report.save_html(page)
-    PICTURE.write_text(svg(page.read_text()))
-    if options.html is None:
-        page.unlink()
-    costs = {"transformer": overhead(model, optimizer, step, options.rounds)}
+    if options.html:
+        report.save_html(options.html)
+    # A file of its own names the XML namespace that a page's inline picture leaves implicit.
+    picture = timeline_svg(report.timeline, report.phases, report.op_index)
+    xmlns = '<svg xmlns="http://www.w3.org/2000/svg" '
+    PICTURE.write_text(picture.replace("<svg ", xmlns, 1) + "\n")
+    timed = {"transformer": overhead(model, optimizer, step, options.rounds)}
     small, small_optimizer, small_step = small_model_and_step()
     small_step()
-    costs["small"] = overhead(small, small_optimizer, small_step, options.rounds)
+    timed["small"] = overhead(small, small_optimizer, small_step, options.rounds)
     rows = [
         {"model": name, "variant": variant, "rounds": len(times[variant]),
          "ratio": timing.paired(times, variant, "measure_peak(step)")}
-        for name, times in costs.items()
+        for name, times in timed.items()
         for variant in ("plain step", "peak_report(step)")
     ]  # fmt: skip
     here = str(ROOT) + "/"  # paths below the repository, relative: the same in any clone
@@ -128,29 +120,22 @@ def main() -> None:
 def report_text(results: Results) -> list[str]:
     """docs/memory.md's report, as printed."""
     data = results["peak"]
-    text = data["text"]
     return [f"Output (torch {data['torch']}, CPU, {data['threads']} threads):", "", "```text",
-            *text.splitlines(), "```"]  # fmt: skip
+            *data["text"].splitlines(), "```"]  # fmt: skip
 
 
 def costs(results: Results) -> list[str]:
     """docs/memory.md's cost table: time per step relative to measure_peak's, paired."""
-    data = results["peak"]
-    lines = ["| model | step | × `measure_peak(step)`, median (95 % interval) | rounds |",
-             "| --- | --- | --- | --- |"]  # fmt: skip
-    for row in data["rows"]:
-        median, low, high = row["ratio"]
-        lines.append(
-            f"| {_MODELS[row['model']]} | `{row['variant']}` | {number(median)} "
-            f"({number(low)}–{number(high)}) | {row['rounds']} |"
-        )
-    return lines
+    header = ["model", "step", "× `measure_peak(step)`, median (95 % interval)", "rounds"]
+    rows = [
+        [_MODELS[r["model"]], f"`{r['variant']}`",
+         f"{r['ratio'][0]:.3f} ({interval(r['ratio'][1:])})", r["rounds"]]
+        for r in results["peak"]["rows"]
+    ]  # fmt: skip
+    return table(header, rows, left=2)
 
 
-_MODELS: dict[str, Any] = {
-    "transformer": "the transformer above",
-    "small": "8 regions of cheap ops",
-}
+_MODELS = {"transformer": "the transformer above", "small": "8 regions of cheap ops"}
 TABLES = {"peak-report": report_text, "peak-cost": costs}
 
 

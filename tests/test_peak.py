@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -300,14 +301,21 @@ def test_bad_arguments_say_what_to_pass() -> None:
         scopedckpt.peak_report(lambda: None, limit=-1)
 
 
-def _categories_sum_to_measure_peak(
-    model: nn.Module, twin: nn.Module, step: object, *inputs: torch.Tensor
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def categories_sum_to_measure_peak(
+    model: nn.Module,
+    twin: nn.Module,
+    step: Callable[..., None],
+    *inputs: torch.Tensor,
+    optimizer_for: Callable[[nn.Module], torch.optim.Optimizer] = _adamw,
 ) -> list[scopedckpt.PeakReport]:
     """Three steps of ``step(model, optimizer, *inputs)`` under ``peak_report`` beside the
     same steps of ``twin`` under ``measure_peak``: each report's categories sum to its
     peak, which is the twin's measured one, and the two models train bit for bit alike."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    optimizer, twin_optimizer = optimizer_for(model), optimizer_for(twin)
     reports = []
     for seed in range(3):  # the first makes AdamW's state, which the others find resting
         torch.manual_seed(seed)
@@ -339,7 +347,7 @@ def test_on_the_benchmark_transformer_the_categories_sum_to_the_measured_peak() 
         optimizer.step()
         optimizer.zero_grad()
 
-    reports = _categories_sum_to_measure_peak(model, copy.deepcopy(model), step, x)
+    reports = categories_sum_to_measure_peak(model, copy.deepcopy(model), step, x)
     for report in reports:  # the peak is in the backward, made mostly of a recompute's
         assert report.phase in ("backward", "recompute")
         assert next(iter(report.live)).startswith("recompute of region blocks.")

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import functools
 import os
+import traceback
+import types
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +42,7 @@ __all__ = [
     "article",
     "describe",
     "frame_region_name",
+    "innermost_user_frame",
     "layer_of",
     "layer_place",
     "module_path",
@@ -55,12 +58,24 @@ LIBRARY_SOURCES = (
     os.path.dirname(os.path.dirname(__file__)) + os.sep,
     os.path.dirname(functools.__file__) + os.sep,
 )
+
+
 ROOT_HINT = "pass root=model to checkpointing() for its path"
 FUNCTION_HINT = "checkpoint a module to name it by its path"
 # Letters whose spoken name starts with a vowel: an LSTM, an RNN, an MLP (but a GRU).
 _VOWEL_LETTERS = frozenset("AEFHILMNORSX")
 # Words starting with a 'u' spoken as 'you': a UserDict, a Unit.
 _YOU = ("uni", "use", "usa", "usu", "uti", "ure")
+
+
+def innermost_user_frame(tb: types.TracebackType | None) -> tuple[types.FrameType, int] | None:
+    """The innermost entry (frame, line) of traceback ``tb`` whose code is outside
+    ``LIBRARY_SOURCES``, or None: for an error torch raised, the user's call into torch."""
+    found = None
+    for frame, line in traceback.walk_tb(tb):
+        if not frame.f_code.co_filename.startswith(LIBRARY_SOURCES):
+            found = frame, line
+    return found
 
 
 def article(word: str) -> str:

@@ -13,13 +13,13 @@ counting mode, which ``scopedckpt.peak_report`` runs (NOTE [ peak attribution ])
 
 from __future__ import annotations
 
-import traceback
+import linecache
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-from ._names import LIBRARY_SOURCES, frame_region_name
+from ._names import frame_region_name, innermost_user_frame
 from ._state import RECOMPUTE, Frame
 
 __all__ = ["add_hint", "explain", "explain_outside"]
@@ -47,10 +47,11 @@ def explain(error: BaseException, frame: Frame) -> None:
     >>> print(error.__notes__[0].splitlines()[0])
     scopedckpt: out of memory in the first forward of the region of a Linear module (pass root=model to checkpointing() for its path).
     """
-    phase = "recompute (in backward)" if frame.phase is RECOMPUTE else "first forward"
-    owner = frame.owner
-    modules = [owner] if isinstance(owner, nn.Module) else []
-    _note(error, f"the {phase} of {frame_region_name(frame)}", modules)
+    if _first_note(error):
+        phase = "recompute (in backward)" if frame.phase is RECOMPUTE else "first forward"
+        owner = frame.owner
+        modules = [owner] if isinstance(owner, nn.Module) else []
+        _note(error, f"the {phase} of {frame_region_name(frame)}", modules)
 
 
 def explain_outside(
@@ -60,25 +61,25 @@ def explain_outside(
     raised outside any region, unless a region or an inner block did: it names the
     user's line the error was raised at, and adds ``so_far`` (what the block measured).
     """
-    line = _user_line(error)
-    where = f"{block}, outside any region" + (f", at {line}" if line else "")
+    if not _first_note(error):
+        return
+    where = f"{block}, outside any region"
+    found = innermost_user_frame(error.__traceback__)
+    if found is not None:
+        filename, line = found[0].f_code.co_filename, found[1]
+        where += f", at {filename}:{line} ({linecache.getline(filename, line).strip()})"
     _note(error, where, [m for module in modules for m in module.modules()], so_far)
 
 
-def _user_line(error: BaseException) -> str | None:
-    """The innermost line of the traceback outside torch, scopedckpt and the standard
-    library (``loss.backward()`` for an error raised in backward), or None."""
-    found = None
-    for summary in traceback.extract_tb(error.__traceback__):
-        if not summary.filename.startswith(LIBRARY_SOURCES):
-            found = f"{summary.filename}:{summary.lineno} ({summary.line})"
-    return found
+def _first_note(error: BaseException) -> bool:
+    """Whether no note was added to ``error`` yet; marks it."""
+    if getattr(error, _NOTED, False):
+        return False
+    setattr(error, _NOTED, True)
+    return True
 
 
 def _note(error: BaseException, where: str, modules: list[nn.Module], so_far: str = "") -> None:
-    if getattr(error, _NOTED, False):
-        return
-    setattr(error, _NOTED, True)
     lines = [f"scopedckpt: out of memory in {where}."]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         gib = 2**30

@@ -219,7 +219,8 @@ def memory_report(root: torch.nn.Module | None = None) -> Iterator[MemoryReport]
         yield report
     except torch.OutOfMemoryError as error:
         so_far = f"The regions it measured so far:\n{report}" if report.rows else ""
-        explain_outside(error, "a memory_report() block", [root] if root else [], so_far)
+        modules = [] if root is None else [root]
+        explain_outside(error, "a memory_report() block", modules, so_far)
         raise
     finally:
         with _LOCK:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 import types
 import weakref
 from collections.abc import Callable, Iterable
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core._names import LIBRARY_SOURCES, frame_region_name
+from ..core._names import LIBRARY_SOURCES, frame_region_name, innermost_user_frame
 from ..core._oom import add_hint
 from ..core._own_ops import issuing_own_ops
 from ..core._state import FRAME, RECOMPUTE
@@ -317,8 +316,8 @@ def peak_report(
         with recorder.counter:
             step(*args, **kwargs)
     except torch.OutOfMemoryError as error:
-        lines = [_line(frame, line) for frame, line in traceback.walk_tb(error.__traceback__)]
-        report = recorder.report(resting, next(filter(None, reversed(lines)), "an unknown line"))
+        found = innermost_user_frame(error.__traceback__)
+        report = recorder.report(resting, _line(*found) if found else "an unknown line")
         raise torch.OutOfMemoryError(
             f"scopedckpt: out of memory in the {report.where}, at {report.op} "
             f"({report.source}), with {format_bytes(report.peak)} live in the step; checkpoint "

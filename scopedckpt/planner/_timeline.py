@@ -13,7 +13,7 @@ from html import escape
 
 from ._budget import format_bytes
 
-__all__ = ["page"]
+__all__ = ["page", "svg"]
 
 _WIDTH, _HEIGHT, _LEFT, _RIGHT, _TOP, _BOTTOM = 960, 320, 72, 16, 24, 40
 _SHADES = {  # phase -> fills; regions of one phase alternate between them
@@ -30,8 +30,7 @@ def page(
     peak_index: int,
     table: str,
 ) -> str:
-    """The HTML page: ``timeline`` (live bytes after each op), ``phases`` ((first op,
-    phase, region) of each stretch), the peak's op index and the report's table.
+    """The HTML page: :func:`svg`'s picture and the report's table under it.
 
     Example
     -------
@@ -39,6 +38,18 @@ def page(
     >>> html.count("<svg"), "peak 8 B" in html
     (1, True)
     """
+    return (
+        '<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>scopedckpt peak report'
+        f"</title></head><body>\n{svg(timeline, phases, peak_index)}\n"
+        f"<pre>{escape(table)}</pre>\n</body></html>\n"
+    )
+
+
+def svg(
+    timeline: Sequence[int], phases: Sequence[tuple[int, str, str | None]], peak_index: int
+) -> str:
+    """The picture, an inline ``<svg>`` element: ``timeline`` (live bytes after each op),
+    ``phases`` ((first op, phase, region) of each stretch) shaded, the peak's op marked."""
     width, height = _WIDTH - _LEFT - _RIGHT, _HEIGHT - _TOP - _BOTTOM
     n, top = len(timeline), max(max(timeline, default=0), 1)
 
@@ -85,11 +96,7 @@ def page(
             f'<rect x="{left}" y="{_HEIGHT - 19}" width="12" height="12" fill="{fills[0]}"/>'
             f'<text x="{left + 16}" y="{_HEIGHT - 8}">{phase}</text>'
         )
-    svg = (
+    return (
         f'<svg width="{_WIDTH}" height="{_HEIGHT}" '
         f'font-family="sans-serif" font-size="12">{"".join(parts)}</svg>'
-    )
-    return (
-        '<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>scopedckpt peak report'
-        f"</title></head><body>\n{svg}\n<pre>{escape(table)}</pre>\n</body></html>\n"
     )

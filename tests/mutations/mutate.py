@@ -337,7 +337,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "oom_noted_by_every_region",
         "scopedckpt/core/_oom.py",
-        "    if getattr(error, _NOTED, False):\n        return\n",
+        "    if getattr(error, _NOTED, False):\n        return False\n",
         "",
         ("tests/test_errors.py",),
         "an out-of-memory error in a nested region carries one note per enclosing region",
@@ -368,8 +368,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "oom_names_a_library_line",
-        "scopedckpt/core/_oom.py",
-        "        if not summary.filename.startswith(LIBRARY_SOURCES):",
+        "scopedckpt/core/_names.py",
+        "        if not frame.f_code.co_filename.startswith(LIBRARY_SOURCES):",
         "        if True:",
         ("tests/test_errors.py",),
         "the note outside regions names torch's or scopedckpt's line, not the user's",
