@@ -13,7 +13,8 @@ For each model (converted, one region per block), the memory/time trade-off of:
   torch SAC        torch.utils.checkpoint with torch's selective checkpointing on the
                    ops of ``save_compute`` (torch's own layers: the reference scopedckpt's
                    exactness is measured against; not exact with batch norm)
-Each point: median step time (interleaved repeats in one process); the heap bytes in
+Each point: median step time and, paired per round with full recompute's, its ratio to it
+with a 95 % interval (interleaved rounds in one process); the heap bytes in
 use after the forward above those before it (mallinfo2: what the forward keeps for
 backward, the plot's y axis); the peak heap bytes in use during the step
 (``heap.peak_in_use``, after every aten op; parameter gradients often set it); and
@@ -27,7 +28,6 @@ import argparse
 import functools
 import json
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ import scopedckpt
 from scopedckpt import policies
 
 from . import RESULTS, THREADS, heap, models
+from .timing import INTERVAL_METHOD, interleaved_rounds, paired
 
 PRESETS = ("save_matmuls", "save_attention", "save_convolutions", "save_compute")
 
@@ -154,21 +155,19 @@ def measure(
         m, _ = build()
         m.mode = "a"  # type: ignore[assignment]
         built[config] = m if how == "torch" else scopedckpt.convert(m)
-    for config, how in configs.items():  # warm-up
-        _step(built[config], x, how)
-    times: dict[str, list[float]] = {c: [] for c in configs}
-    order = list(configs)
-    for r in range(repeats):
-        shift = r % len(order)
-        for config in order[shift:] + order[:shift]:
-            start = time.perf_counter()
-            _step(built[config], x, configs[config])
-            times[config].append(time.perf_counter() - start)
+    times = interleaved_rounds(
+        {c: functools.partial(_step, built[c], x, how) for c, how in configs.items()},
+        calls=1,
+        rounds=repeats,
+    )
     points = {}
     for config, how in configs.items():
         peak = heap.peak_in_use(lambda m=built[config], h=how: _step(m, x, h))
+        ratio, low, high = paired(times, config, "full")
         points[config] = {
             "ms": statistics.median(times[config]) * 1e3,
+            "time_over_full": ratio,
+            "interval": [low, high],
             "kept_mib": _kept_by_forward(built[config], x, how) / 2**20,
             "peak_heap_mib": peak / 2**20,
             "bitwise_vs_plain": _exact(build, how) if how != "none" else True,
@@ -192,7 +191,7 @@ def run(
         for config, point in row["points"].items():
             print(
                 f"{row['model']:<16}{config:<19}{point['ms']:>9.2f}"
-                f"{point['ms'] / full['ms']:>10.2f}{point['kept_mib']:>10.2f}"
+                f"{point['time_over_full']:>10.3f}{point['kept_mib']:>10.2f}"
                 f"{point['kept_mib'] / full['kept_mib']:>10.2f}{point['peak_heap_mib']:>10.2f}"
                 f"{'yes' if point['bitwise_vs_plain'] else 'NO':>7}"
             )
@@ -239,17 +238,18 @@ def main(quick: bool) -> None:
         f"cnn x{depth}": lambda: models.cnn(depth),
         "wide_mlp x4": lambda: models.wide_mlp(4),
     }
-    rows = run(factories, repeats=3 if quick else 11)
+    rounds = 5 if quick else 15
+    rows = run(factories, repeats=rounds)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "selective.json").write_text(
-        json.dumps({"rows": rows, "quick": quick, "torch": torch.__version__}, indent=2)
-    )
+    results = {"rows": rows, "rounds": rounds, "interval": INTERVAL_METHOD}
+    results.update(quick=quick, threads=THREADS, torch=torch.__version__)
+    (RESULTS / "selective.json").write_text(json.dumps(results, indent=2))
     plot(rows, RESULTS / "selective.png")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="4 blocks, 3 repeats")
+    parser.add_argument("--quick", action="store_true", help="4 blocks, 5 rounds")
     parser.add_argument("--replot", action="store_true", help="only redraw the plot")
     args = parser.parse_args()
     if args.replot:

@@ -245,7 +245,8 @@ def compiled(results: Results) -> list[str]:
 def selective(results: Results) -> list[str]:
     """selective.json: each configuration's time and memory against full recompute."""
     data = results["selective"]
-    header = ["model", "configuration", "ms/step", "time / full", "kept MiB", "kept / full"]
+    header = ["model", "configuration", "ms/step", "time / full", "95 % interval", "kept MiB"]
+    header += ["kept / full"]
     header += ["peak heap MiB", "exact"]
     rows = []
     for r in data["rows"]:
@@ -256,7 +257,8 @@ def selective(results: Results) -> list[str]:
                     r["model"] if config == "none" else "",
                     config,
                     f"{p['ms']:.1f}",
-                    f"{p['ms'] / full['ms']:.2f}",
+                    f"{p['time_over_full']:.3f}",
+                    interval(p["interval"]),
                     f"{p['kept_mib']:.2f}",
                     f"{p['kept_mib'] / full['kept_mib']:.2f}",
                     f"{p['peak_heap_mib']:.2f}",

@@ -45,44 +45,11 @@ from typing import Any, cast
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
 
 from ._contexts import ContextFn, compose
 from ._errors import ScopedCkptError
 from ._torch_support import check_torch, missing_piece
-
-__all__ = [
-    "GLOBAL_POST_HOOKS",
-    "GLOBAL_POST_HOOKS_ALWAYS_CALLED",
-    "GLOBAL_PRE_HOOKS",
-    "PATH",
-    "SAC_IGNORED_OPS",
-    "STOP_RECOMPUTATION",
-    "BatchNormBase",
-    "CheckpointPath",
-    "DropoutBase",
-    "NormBase",
-    "OpOverload",
-    "OpOverloadPacket",
-    "TorchDispatchMode",
-    "base_of",
-    "bound_arguments",
-    "call_generator",
-    "check_input_dim",
-    "checkpoint_debug_enabled",
-    "debug_composed",
-    "detach_below_autograd",
-    "generator_like",
-    "module_buffers",
-    "module_parameters",
-    "op_schema_facts",
-    "recompute_whole",
-    "register_determinism_check",
-    "top_saved_tensors_hooks",
-    "tracing",
-    "version_of",
-    "written_positions",
-]
 
 check_torch(torch.__version__)
 
@@ -393,6 +360,17 @@ def internal_hooks(pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> 
 def modes_active() -> bool:
     """Whether a torch function or dispatch mode is active (a device context, a trace)."""
     return bool(torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())
+
+
+def innermost_dispatch_mode() -> Any:
+    """The innermost dispatch mode in force in this thread (the next to see an op), or None;
+    ``pop_dispatch_mode()`` takes it off the stack and ``push_dispatch_mode`` puts one on."""
+    depth = torch._C._len_torch_dispatch_stack()
+    return torch._C._get_dispatch_stack_at(depth - 1) if depth else None
+
+
+pop_dispatch_mode = functools.partial(torch._C._pop_torch_dispatch_stack, None)
+push_dispatch_mode: Callable[[Any], None] = torch._C._push_on_torch_dispatch_stack
 
 
 def determinism_check_fn(name: str) -> Callable[[torch.Tensor], Any]:

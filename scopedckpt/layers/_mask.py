@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..core._own_ops import aside
 from ..mechanisms._generators import OWN_GENERATORS
 from ..mechanisms._strict import scoped_draws
 
@@ -210,8 +211,13 @@ class Mask:
         The compare's ``bool`` viewed as ``uint8`` (free): converting ``uint8``
         to float took 5 us for 32k elements on CPU, ``bool`` 21 us. Large masks
         draw their bits in pieces (NOTE [ mask bits ]), or on CPU hash them in
-        chunks (NOTE [ hashed bits ]).
+        chunks (NOTE [ hashed bits ]). Its ops run aside (``core/_own_ops.py``): both runs
+        of a region draw the same bits, which selective saving neither numbers nor keeps.
         """
+        with aside():
+            return self._keep()
+
+    def _keep(self) -> Tensor:
         numel = math.prod(self.shape)
         threshold = _threshold(self.p)
         if numel >= HASHED_FROM_ELEMENTS and self.device.type in HASHED_DEVICES:

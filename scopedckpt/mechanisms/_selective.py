@@ -9,7 +9,7 @@ region's aten ops, with the differences exactness needs:
 
 * First forward (:class:`SavingMode`): every op call of the region (not of a
   nested region, which has its own tape, and not of scopedckpt's own
-  bookkeeping, see ``core/_own_ops.py``) is numbered per op overload *and per
+  bookkeeping or dropout masks, see ``core/_own_ops.py``) is numbered per op overload *and per
   module call running it* (the innermost module's id and call index, tracked
   by the buffer guard's hooks), and the decision is recorded at that number:
   the output, detached (so the tape holds no autograd graph), or "recompute".
@@ -63,12 +63,11 @@ from torch import Tensor, nn
 
 from ..core._errors import ScopedCkptError
 from ..core._names import module_region
-from ..core._own_ops import issuing_own_ops
+from ..core._own_ops import NumberingMode, unnumbered_now
 from ..core._policy import SavePolicy
 from ..core._state import FORWARD, FRAME, RECOMPUTE, Frame, RegionCall, Tape, region_name_of
 from ..core._torch_private import (
     SAC_IGNORED_OPS,
-    TorchDispatchMode,
     detach_below_autograd,
     op_schema_facts,
     version_of,
@@ -164,7 +163,7 @@ def _key(func: Any, frame: Frame) -> tuple[Any, Any]:
     return func, modules[-1] if modules else None
 
 
-class _RegionMode(TorchDispatchMode):
+class _RegionMode(NumberingMode):
     """What both modes share: which op calls of the region are numbered."""
 
     def __init__(self, saved: Saved, frame: Frame) -> None:
@@ -182,7 +181,7 @@ class _RegionMode(TorchDispatchMode):
         # own bookkeeping, torch's ignored ops, a nested region's ops.
         if (
             (self._only_ops and not self._policy.names(func))
-            or issuing_own_ops()
+            or unnumbered_now()
             or func in SAC_IGNORED_OPS
             or FRAME.get() is not self._frame
         ):

@@ -1125,10 +1125,31 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "guard_copies_numbered",
         "scopedckpt/core/_own_ops.py",
-        "        _DEPTH.depth += 1\n\n    def __exit__(self, *exc: object) -> None:\n        _DEPTH.depth -= 1",
-        "        pass\n\n    def __exit__(self, *exc: object) -> None:\n        pass",
+        "        _DEPTH.aside += 1\n        _DEPTH.own += self._own\n        mode: Any = "
+        "innermost_dispatch_mode()\n        self._popped = mode if isinstance(mode, NumberingMode) "
+        "else None\n        if self._popped is not None:\n            pop_dispatch_mode()\n\n"
+        "    def __exit__(self, *exc: object) -> None:\n        if self._popped is not None:\n"
+        "            push_dispatch_mode(self._popped)\n        _DEPTH.aside -= 1\n",
+        "        _DEPTH.own += self._own\n        self._popped = None\n\n"
+        "    def __exit__(self, *exc: object) -> None:\n",
         ("tests/test_selective.py",),
         "the buffer guard's and scoped batch norm's copies are numbered and kept like the model's ops",
+    ),
+    Mutant(
+        "numbering_mode_never_set_aside",
+        "scopedckpt/core/_own_ops.py",
+        "        self._popped = mode if isinstance(mode, NumberingMode) else None",
+        "        self._popped = None",
+        ("tests/test_selective.py",),
+        "ops run aside still reach selective saving's mode, a Python call each (a dropout mask's sixty)",
+    ),
+    Mutant(
+        "dropout_masks_numbered",
+        "scopedckpt/layers/_mask.py",
+        "        with aside():\n            return self._keep()",
+        "        if True:\n            return self._keep()",
+        ("tests/test_selective.py",),
+        "a dropout mask's ops are numbered by selective saving, a Python call each",
     ),
     Mutant(
         "unkeepable_ops_kept",
