@@ -742,3 +742,27 @@ def test_a_generator_a_forward_makes_is_made_again_by_every_recompute(nested: bo
     checkpointed = _train_made_in_forward(True, nested)
     assert len(plain) == len(checkpointed)
     assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+
+
+def test_dropout_masks_run_past_the_watch_of_verified_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A verified first forward runs under the watch (NOTE [ explicit generators ]); a large
+    CPU dropout mask's sixty calls draw from scopedckpt's own generators and run aside
+    (``core/_own_ops.aside``), past it, while the model's calls reach it."""
+    seen: list[str] = []
+    watched = _generators.Watch.__torch_function__
+
+    def counting(self: object, func: Callable[..., object], *rest: object, **kw: object) -> object:
+        seen.append(getattr(func, "__name__", str(func)))
+        return watched(self, func, *rest, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_generators.Watch, "__torch_function__", counting)
+    torch.manual_seed(0)
+    model = scopedckpt.convert(nn.Sequential(nn.Linear(1024, 1024), nn.Dropout(0.3)))
+    x = torch.randn(128, 1024)
+    with scopedckpt.checkpointing(model, determinism_check="bitwise"):
+        loss = model(x).square().mean()
+    loss.backward()
+    assert "linear" in seen
+    assert not {"bitwise_xor_", "bitwise_right_shift", "lt"} & set(seen), seen

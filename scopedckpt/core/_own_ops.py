@@ -6,22 +6,34 @@ issue alike from state of their own (a dropout mask's bits from its seed).
 Where a :class:`NumberingMode` (selective saving's) is the innermost dispatch mode, such ops
 run with it taken off the stack, so they reach no Python per op (a hashed dropout mask is
 about sixty ops); where another mode is innermost, the numbering mode sees them and leaves
-them alone (:func:`unnumbered_now`), so both runs number the same calls either way.
+them alone (:func:`unnumbered_now`), so both runs number the same calls either way. A
+:class:`WatchingMode` (the explicit-generator watch of verified calls) innermost among torch
+function modes is set aside alike: what scopedckpt draws itself uses generators of its own.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+
+from torch.overrides import TorchFunctionMode
 
 from ._torch_private import (
     TorchDispatchMode,
-    innermost_dispatch_mode,
+    innermost_modes,
     pop_dispatch_mode,
+    pop_function_mode,
     push_dispatch_mode,
+    push_function_mode,
 )
 
-__all__ = ["NumberingMode", "aside", "internal", "issuing_own_ops", "unnumbered_now"]
+__all__ = [
+    "NumberingMode",
+    "WatchingMode",
+    "aside",
+    "internal",
+    "issuing_own_ops",
+    "unnumbered_now",
+]
 
 
 class _Depth(threading.local):
@@ -37,6 +49,11 @@ class NumberingMode(TorchDispatchMode):
     :class:`aside` do not reach it where it is the innermost mode."""
 
 
+class WatchingMode(TorchFunctionMode):
+    """A torch function mode that watches a region's calls (explicit generators'): calls
+    run :class:`aside` do not reach it where it is the innermost function mode."""
+
+
 class aside:  # noqa: N801 - used like a function: ``with aside():``
     """Run the ops inside past selective saving's numbering, in this thread.
 
@@ -50,20 +67,25 @@ class aside:  # noqa: N801 - used like a function: ``with aside():``
     True
     """
 
-    __slots__ = ("_popped",)
+    __slots__ = ("_dispatch", "_function")
     _own = 0
 
     def __enter__(self) -> None:
         _DEPTH.aside += 1
         _DEPTH.own += self._own
-        mode: Any = innermost_dispatch_mode()
-        self._popped = mode if isinstance(mode, NumberingMode) else None
-        if self._popped is not None:
+        function, dispatch = innermost_modes()
+        self._function = function if isinstance(function, WatchingMode) else None
+        self._dispatch = dispatch if isinstance(dispatch, NumberingMode) else None
+        if self._function is not None:
+            pop_function_mode()
+        if self._dispatch is not None:
             pop_dispatch_mode()
 
     def __exit__(self, *exc: object) -> None:
-        if self._popped is not None:
-            push_dispatch_mode(self._popped)
+        if self._dispatch is not None:
+            push_dispatch_mode(self._dispatch)
+        if self._function is not None:
+            push_function_mode(self._function)
         _DEPTH.aside -= 1
         _DEPTH.own -= self._own
 

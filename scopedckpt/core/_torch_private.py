@@ -362,15 +362,22 @@ def modes_active() -> bool:
     return bool(torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())
 
 
-def innermost_dispatch_mode() -> Any:
-    """The innermost dispatch mode in force in this thread (the next to see an op), or None;
-    ``pop_dispatch_mode()`` takes it off the stack and ``push_dispatch_mode`` puts one on."""
-    depth = torch._C._len_torch_dispatch_stack()
-    return torch._C._get_dispatch_stack_at(depth - 1) if depth else None
+def innermost_modes() -> tuple[Any, Any]:
+    """The innermost torch function mode and dispatch mode in force in this thread (None
+    where there is none): the first each call and each op meets. ``pop_*_mode()`` takes the
+    innermost off its stack, ``push_*_mode(mode)`` puts one on."""
+    functions, dispatches = _C._len_torch_function_stack(), _C._len_torch_dispatch_stack()
+    return (
+        _C._get_function_stack_at(functions - 1) if functions else None,
+        _C._get_dispatch_stack_at(dispatches - 1) if dispatches else None,
+    )
 
 
-pop_dispatch_mode = functools.partial(torch._C._pop_torch_dispatch_stack, None)
-push_dispatch_mode: Callable[[Any], None] = torch._C._push_on_torch_dispatch_stack
+_C = torch._C
+pop_function_mode: Callable[[], Any] = _C._pop_torch_function_stack
+push_function_mode: Callable[[Any], None] = _C._push_on_torch_function_stack
+pop_dispatch_mode = functools.partial(_C._pop_torch_dispatch_stack, None)
+push_dispatch_mode: Callable[[Any], None] = _C._push_on_torch_dispatch_stack
 
 
 def determinism_check_fn(name: str) -> Callable[[torch.Tensor], Any]:

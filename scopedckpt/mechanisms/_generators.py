@@ -57,9 +57,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from ..core._errors import ScopedCkptError
+from ..core._own_ops import WatchingMode
 from ..core._sampling import sampling_period, unverified_calls_before
 from ..core._state import FORWARD, RECOMPUTE, Frame, RegionCall, Tape, region_name
 from ..core._subtree import generators_in
@@ -183,7 +183,7 @@ def _defaults() -> set[int]:
     return ids
 
 
-class Watch(TorchFunctionMode):
+class Watch(WatchingMode):
     """Stashes each other generator at its first use in a verified first forward, and
     remembers it for the site; ``stash`` None: a recompute's watch, which sees nothing."""
 

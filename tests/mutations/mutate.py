@@ -1125,23 +1125,34 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "guard_copies_numbered",
         "scopedckpt/core/_own_ops.py",
-        "        _DEPTH.aside += 1\n        _DEPTH.own += self._own\n        mode: Any = "
-        "innermost_dispatch_mode()\n        self._popped = mode if isinstance(mode, NumberingMode) "
-        "else None\n        if self._popped is not None:\n            pop_dispatch_mode()\n\n"
-        "    def __exit__(self, *exc: object) -> None:\n        if self._popped is not None:\n"
-        "            push_dispatch_mode(self._popped)\n        _DEPTH.aside -= 1\n",
-        "        _DEPTH.own += self._own\n        self._popped = None\n\n"
-        "    def __exit__(self, *exc: object) -> None:\n",
+        "        _DEPTH.aside += 1\n        _DEPTH.own += self._own\n        function, dispatch = "
+        "innermost_modes()\n        self._function = function if isinstance(function, "
+        "WatchingMode) else None\n        self._dispatch = dispatch if isinstance(dispatch, "
+        "NumberingMode) else None\n        if self._function is not None:\n            "
+        "pop_function_mode()\n        if self._dispatch is not None:\n            "
+        "pop_dispatch_mode()\n\n    def __exit__(self, *exc: object) -> None:\n        if "
+        "self._dispatch is not None:\n            push_dispatch_mode(self._dispatch)\n        "
+        "if self._function is not None:\n            push_function_mode(self._function)\n"
+        "        _DEPTH.aside -= 1\n",
+        "        _DEPTH.own += self._own\n\n    def __exit__(self, *exc: object) -> None:\n",
         ("tests/test_selective.py",),
         "the buffer guard's and scoped batch norm's copies are numbered and kept like the model's ops",
     ),
     Mutant(
         "numbering_mode_never_set_aside",
         "scopedckpt/core/_own_ops.py",
-        "        self._popped = mode if isinstance(mode, NumberingMode) else None",
-        "        self._popped = None",
+        "        self._dispatch = dispatch if isinstance(dispatch, NumberingMode) else None",
+        "        self._dispatch = None",
         ("tests/test_selective.py",),
         "ops run aside still reach selective saving's mode, a Python call each (a dropout mask's sixty)",
+    ),
+    Mutant(
+        "watching_mode_never_set_aside",
+        "scopedckpt/core/_own_ops.py",
+        "        self._function = function if isinstance(function, WatchingMode) else None",
+        "        self._function = None",
+        ("tests/test_generators.py",),
+        "a dropout mask's calls reach the explicit-generator watch of verified calls, one each",
     ),
     Mutant(
         "dropout_masks_numbered",
