@@ -136,6 +136,28 @@ def test_an_op_costs_its_flops_and_bytes() -> None:
     assert relu == 2 * 64 * 32 * 4 // machine.bytes  # no flop formula: bytes only
 
 
+def test_a_preset_pays_for_the_memory_it_keeps_beyond_a_full_region(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [ counted costs ]: on CPU a preset's cost adds KEPT per MiB of the outputs it keeps
+    beyond a full region's (fresh memory held through the forward); a full region's does not."""
+    model, x = _stack(depth=3)
+    blocks = [(f"1.{i}", block) for i, block in enumerate(model[1])]
+
+    def choices() -> dict[str, _profile.Choice]:
+        profile = _profile.profile_step(model, blocks, (x,), {}, lambda y: y.sum())
+        return {c.name: c for c in profile.blocks[0].choices}
+
+    counted = choices()
+    machine = CONSTANTS["cpu"]
+    monkeypatch.setitem(CONSTANTS, "cpu", machine.__class__(**{**vars(machine), "kept": 0}))
+    without = choices()
+    extra = counted["matmuls"].kept - counted["full"].kept
+    assert extra == 256 * 128 * 4  # the first linear's output (the second's is the block's)
+    assert counted["matmuls"].cost - without["matmuls"].cost == extra * machine.kept >> 20
+    assert counted["full"].cost == without["full"].cost
+
+
 def test_plans_store_their_costs_and_reload_them() -> None:
     model, x = _stack()
     plan = scopedckpt.plan(model, x, budget=0.5, blocks=model[1])

@@ -28,9 +28,13 @@ most bytes live during its backward less what the blocks up to it keep there
 (``rebuild``; what a full region keeps is measured there too: its output, and
 any record the region holds, its fingerprints included: that step verifies every
 region bit for bit, as a step does at each site's first call and sampled
-ones). A ``save=`` preset keeps the outputs of the ops it selects besides, and
-rebuilds that much less of the forward's growth as the step without regions saw
-it, op by op. The model gives the peak without
+ones). A ``save=`` preset keeps the outputs of the ops it selects besides, on
+the region's tape until the block's backward ends, where a full region's
+recomputed tensors die as backward reads them: its recompute is bounded by the
+full region's, on top of what it keeps (measured on ResNet-18, taking it as the
+full region's less the bytes it keeps put a plan's peak 0.8 % above its budget,
+with the kept outputs alive at the block's last convolution backward). The
+model gives the peak without
 regions exactly and the one with every block a full region exactly; mixed
 plans assume the rest of the step is unchanged, which :mod:`benchmarks.plan`
 checks against measured peaks.
@@ -128,11 +132,9 @@ class _Instrumented:
         self.order: list[int] = []  # block index at each forward position
         self.position: dict[int, int] = {}
         observe = self._observe if machine else None
-        self.counter = LiveBytes(observe, untouched.before_op, self._freed)
+        self.counter = LiveBytes(observe, untouched.before_op)
         self.m = 0
         self.segments: dict[int, int] = {}
-        self.start = 0
-        self.growth: dict[int, int] = {}
         self.out: dict[int, dict[int, int]] = {}  # position -> serial -> bytes
         self.backward_started: set[int] = set()
         self.backward_block: int | None = None  # the block whose backward runs
@@ -147,12 +149,6 @@ class _Instrumented:
         self.selecting: dict[Any, tuple[str, ...]] = {}  # op -> the presets selecting it
         self.preset_work: dict[tuple[str, int], int] = {}  # the kept ops' flops and bytes
         self.preset_kept: dict[tuple[str, int], dict[int, int]] = {}
-        # Within the running block: bytes of each preset's selected outputs alive, the
-        # presets that selected each such storage, and the most the block's forward
-        # grew by besides them (what a recompute under the preset rebuilds).
-        self.selected_alive: dict[str, int] = {}
-        self.selected_by: dict[int, list[str]] = {}
-        self.preset_growth: dict[tuple[str, int], int] = {}
 
     def close(self, m: int) -> None:
         counter = self.counter
@@ -182,20 +178,7 @@ class _Instrumented:
             self.preset_work[key] = self.preset_work.get(key, 0) + work
             kept = self.preset_kept.setdefault(key, {})
             for nbytes, _, serial in self.counter.counted(out):
-                if serial not in kept:
-                    kept[serial] = nbytes
-                    self.selected_alive[name] = self.selected_alive.get(name, 0) + nbytes
-                    self.selected_by.setdefault(serial, []).append(name)
-        grown = self.counter.live - self.start
-        for name in self.presets:
-            key = (name, k)
-            rebuilt = grown - self.selected_alive.get(name, 0)
-            if rebuilt > self.preset_growth.get(key, 0):
-                self.preset_growth[key] = rebuilt
-
-    def _freed(self, serial: int, nbytes: int) -> None:
-        for name in self.selected_by.pop(serial, ()):
-            self.selected_alive[name] -= nbytes
+                kept.setdefault(serial, nbytes)
 
     def pre(self, module: nn.Module, args: Any) -> None:
         i = self.index[id(module)]
@@ -216,15 +199,11 @@ class _Instrumented:
         self.order.append(i)
         self.position[i] = k
         self.close(k)
-        self.start = self.counter.live
-        self.selected_alive.clear()
-        self.selected_by.clear()
         self.counter.tag = k
 
     def post(self, module: nn.Module, args: Any, output: Any) -> None:
         k = self.position[self.index[id(module)]]
         counter = self.counter
-        self.growth[k] = counter.peak - self.start
         out = self.out.setdefault(k, {})
         for tensor in tensors(output):
             for nbytes, tag, serial in counter.counted(tensor):
@@ -333,9 +312,9 @@ def profile_step(
                     continue  # the same ops as an earlier preset (compute = matmuls here)
                 seen.add((extra, spared_work))
                 selective = cost - spared_work + machine.selective * ops
-                # What the preset keeps is not rebuilt (counted op by op, unregioned).
-                spared = tally.growth[k] - tally.preset_growth.get((preset, k), tally.growth[k])
-                choices.append(Choice(preset, kept_full[k] + extra, selective, rebuild - spared))
+                selective += extra * machine.kept >> 20  # fresh memory (NOTE [ counted costs ])
+                # Its recompute at most the full region's (NOTE [ peak model ]).
+                choices.append(Choice(preset, kept_full[k] + extra, selective, rebuild))
         profiled.append(BlockProfile(name, module, tuple(choices)))
     unused = tuple(name for i, (name, _) in enumerate(blocks) if i not in tally.position)
     return Profile(

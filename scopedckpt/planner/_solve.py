@@ -87,8 +87,28 @@ def peak_of(
 
 
 def _lex(*columns: torch.Tensor) -> torch.Tensor:
-    """Dense ranks of the rows of ``columns`` in lexicographic order, smallest first."""
-    return torch.unique(torch.stack(columns, dim=1), dim=0, return_inverse=True)[1]
+    """Dense ranks of the rows of ``columns`` in lexicographic order, smallest first.
+
+    Stable sorts by each column, last first, then a new rank wherever a row differs from
+    the one before it: one-dimensional sorts (``unique(dim=0)``, which ranks rows in one
+    call, took ten times as long on fronts of thousands of states).
+
+    Example
+    -------
+    >>> _lex(torch.tensor([2, 1, 2, 1]), torch.tensor([0, 5, 0, 3])).tolist()
+    [2, 1, 2, 0]
+    """
+    order = torch.argsort(columns[-1], stable=True)
+    for column in reversed(columns[:-1]):
+        order = order[torch.argsort(column[order], stable=True)]
+    new = torch.zeros(order.numel(), dtype=torch.bool)
+    new[0] = True
+    for column in columns:
+        ordered = column[order]
+        new[1:] |= ordered[1:] != ordered[:-1]
+    ranks = torch.empty_like(order)
+    ranks[order] = torch.cumsum(new, 0) - 1
+    return ranks
 
 
 def _front(prefix: torch.Tensor, key: torch.Tensor, cap: int) -> tuple[torch.Tensor, bool]:

@@ -1291,6 +1291,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "the front is pruned by cost alone: costlier partial plans that keep less are lost",
     ),
     Mutant(
+        "solve_ranks_by_the_first_column_only",
+        "scopedckpt/planner/_solve.py",
+        "    for column in columns:\n        ordered = column[order]",
+        "    for column in columns[:1]:\n        ordered = column[order]",
+        ("tests/test_plan_costs.py", "tests/test_plan.py"),
+        "rows equal in their first column share a rank: equal-cost plans tie whatever else",
+    ),
+    Mutant(
         "solve_ties_ignore_regions",
         "scopedckpt/planner/_solve.py",
         "_lex(cost, regions, rank)",
@@ -1313,6 +1321,26 @@ MUTANTS: tuple[Mutant, ...] = (
         '            choices.append(Choice("full", 0, cost, rebuild))',
         ("tests/test_plan.py",),
         "the peak model forgets what a region keeps (its output) for the next block",
+    ),
+    Mutant(
+        "preset_kept_memory_costs_nothing",
+        "scopedckpt/planner/_profile.py",
+        "                selective += extra * machine.kept >> 20",
+        "                selective += 0",
+        ("tests/test_plan_costs.py",),
+        "on CPU a preset's kept outputs cost no time: convolutions and matmuls presets look cheap",
+    ),
+    Mutant(
+        "preset_recompute_less_what_it_keeps",
+        "scopedckpt/planner/_profile.py",
+        "                choices.append(Choice(preset, kept_full[k] + extra, selective, rebuild))",
+        "                choices.append(Choice(preset, kept_full[k] + extra, selective, rebuild - extra))",
+        (
+            "tests/test_real_models.py::"
+            "test_a_resnet_block_with_a_preset_never_peaks_above_its_prediction",
+        ),
+        "a preset's recompute is predicted below the full region's by what it keeps, which "
+        "lives on its tape through the block's whole backward: plans peak above their budget",
     ),
     Mutant(
         "profile_recompute_rebuilds_nothing",
