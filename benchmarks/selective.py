@@ -40,7 +40,7 @@ import scopedckpt
 from scopedckpt import policies
 
 from . import RESULTS, THREADS, heap, models
-from .timing import INTERVAL_METHOD, interleaved_rounds, paired
+from .timing import interleaved_rounds, paired, save_paired_results
 
 PRESETS = ("save_matmuls", "save_attention", "save_convolutions", "save_compute")
 
@@ -240,10 +240,7 @@ def main(quick: bool) -> None:
     }
     rounds = 5 if quick else 15
     rows = run(factories, repeats=rounds)
-    RESULTS.mkdir(exist_ok=True)
-    results = {"rows": rows, "rounds": rounds, "interval": INTERVAL_METHOD}
-    results.update(quick=quick, threads=THREADS, torch=torch.__version__)
-    (RESULTS / "selective.json").write_text(json.dumps(results, indent=2))
+    save_paired_results("selective", rows, THREADS, quick, {"rounds": rounds})
     plot(rows, RESULTS / "selective.png")
 
 

@@ -362,6 +362,9 @@ def modes_active() -> bool:
     return bool(torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())
 
 
+_C = torch._C
+
+
 def innermost_modes() -> tuple[Any, Any]:
     """The innermost torch function mode and dispatch mode in force in this thread (None
     where there is none): the first each call and each op meets. ``pop_*_mode()`` takes the
@@ -373,7 +376,6 @@ def innermost_modes() -> tuple[Any, Any]:
     )
 
 
-_C = torch._C
 pop_function_mode: Callable[[], Any] = _C._pop_torch_function_stack
 push_function_mode: Callable[[Any], None] = _C._push_on_torch_function_stack
 pop_dispatch_mode = functools.partial(_C._pop_torch_dispatch_stack, None)
