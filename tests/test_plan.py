@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, note
+from hypothesis import example, given, note
 from hypothesis import strategies as st
 from torch import nn
 
@@ -162,17 +162,26 @@ def _measured_peak(model: nn.Module, x: torch.Tensor, plan: Plan, check: str = "
     return counter.peak
 
 
+def _full_regions(model: nn.Module, regions: list[nn.Module]) -> Plan:
+    """A plan making each of ``regions`` a full region (its figures unused)."""
+    return Plan(
+        tuple(PlannedBlock(f"blocks.{i}", "", "full", 0, 0, b) for i, b in enumerate(regions)),
+        budget=1, peak=1, no_checkpoint_peak=1, smallest_budget=1, step_cost=1, added_cost=0,
+        step_seconds=1.0, costs="cpu", optimal=True, model=model,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("fraction", [1.0, 0.75, 0.5, 0.0])
 def test_predicted_peak_is_the_measured_peak(fraction: float) -> None:
-    """NOTE [ peak model ]: within 10 % (here: within 1 %) of the peak measured under
-    the plan, from the whole budget down to the smallest; activations, not gradients,
-    make most of the peak here (batch 512), so what regions keep and rebuild shows."""
+    """NOTE [ peak model ]: at most the prediction and within 1 % of it, from the whole
+    budget down to the smallest, so within the budget; activations, not gradients, make
+    most of the peak here (batch 512), so what regions keep and rebuild shows."""
     model, x = _stack(batch=512)
     budget = _budget_between(model, x, fraction)
     plan = scopedckpt.plan(model, x, budget=budget)
     measured = _measured_peak(model, x, plan)
-    assert abs(measured - plan.peak) <= 0.01 * plan.peak, (measured, plan.peak)
-    assert measured <= budget * 1.01
+    assert measured <= plan.peak <= 1.01 * measured, (measured, plan.peak)
+    assert plan.peak <= budget
     assert _measured_peak(model, x, plan, "default") <= measured  # unverified: no more
 
 
@@ -182,8 +191,8 @@ def test_predicted_peak_holds_where_recomputes_rebuild_more_than_backward_keeps(
 ) -> None:
     """Attention's forward holds score matrices its backward no longer needs: a recompute
     rebuilds them while the gradients are alive, which the second profiling step measures.
-    Mixed plans land within a block's output of the measured peak (the profiling step
-    with every block a region holds each block's output in the next block's region)."""
+    Plans peak at most at their prediction, and within a block's output of it (NOTE
+    [ inputs regions hold ]: a region's input is held, attention saves a copy of it)."""
     torch.manual_seed(0)
     layers = [
         nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True) for _ in range(4)
@@ -193,7 +202,82 @@ def test_predicted_peak_holds_where_recomputes_rebuild_more_than_backward_keeps(
     budget = _budget_between(model, x, fraction)
     plan = scopedckpt.plan(model, x, budget=budget)
     measured = _measured_peak(model, x, plan)
-    assert abs(measured - plan.peak) <= 8 * 64 * 32 * 4, (measured, plan.peak)
+    assert measured <= plan.peak <= measured + 8 * 64 * 32 * 4, (measured, plan.peak)
+
+
+class _Masked(nn.Module):
+    """A block that saves a copy of its input, not the input (as torch's attention saves a
+    transposed copy), and adds a mask it is given by keyword without saving it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x.transpose(0, 1).clone(memory_format=torch.contiguous_format))
+        return (h.transpose(0, 1) + mask) * 0.5
+
+
+class _MaskedModel(nn.Module):
+    """Makes its mask in its forward (outside every block), freed when the forward returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Masked() for _ in range(4))
+        self.head = nn.Linear(32, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros_like(x).add_(x[:1, :1, :1])
+        for block in self.blocks:
+            x = block(x, mask=mask)
+        return self.head(x).square()
+
+
+def test_every_plan_keeps_its_promise_where_regions_hold_inputs_plain_training_frees() -> None:
+    """NOTE [ inputs regions hold ]: a region keeps its inputs to its backward, where plain
+    training freed the block output that only a transposed copy was saved of, and a mask
+    made outside the blocks when the forward returned. Every plan of four blocks: the
+    measured peak is at most the prediction and within 1 % of it (a region over the block
+    after one without, or a mask held into the backward, peaked above it before)."""
+    torch.manual_seed(0)
+    model = _MaskedModel()
+    x = torch.randn(512, 16, 32)
+    blocks = [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
+    profile = profile_step(model, blocks, (x,), {}, default_loss)
+    for chosen in itertools.product([0, 1], repeat=4):
+        predicted = profile.predicted_peak(chosen)
+        regions = [b for b, c in zip(model.blocks, chosen) if c]
+        measured = _measured_peak(model, x, _full_regions(model, regions))
+        assert measured <= predicted <= measured * 1.01, (chosen, measured, predicted)
+
+
+class _Squashed(nn.Module):
+    """A block whose forward, not its backward, sets the step's peak: it saves its output
+    (tanh) and a linear layer's input, and its backward makes little."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).tanh()
+
+
+def test_a_verified_region_forward_keeps_the_promise_of_every_plan() -> None:
+    """NOTE [ inputs regions hold ]: a region's own peak is its recompute's or its verified
+    first forward's, where fingerprints are taken (each site's first call and sampled ones
+    are verified): with blocks whose forwards set the peak, every plan of four peaks at
+    most at its prediction (the last region's verified forward peaked above it before)."""
+    torch.manual_seed(0)
+    layers = [_Squashed() for _ in range(4)]
+    model = BlockModel(nn.Identity(), layers, nn.Identity())
+    x = torch.randn(512, 64, 32)
+    blocks = [(f"blocks.{i}", b) for i, b in enumerate(layers)]
+    profile = profile_step(model, blocks, (x,), {}, default_loss)
+    for chosen in itertools.product([0, 1], repeat=4):
+        regions = [b for b, c in zip(layers, chosen) if c]
+        measured = _measured_peak(model, x, _full_regions(model, regions))
+        assert measured <= profile.predicted_peak(chosen), (chosen, measured)
 
 
 class _Probed(nn.Module):
@@ -221,12 +305,8 @@ def test_the_peak_model_is_exact_with_every_block_a_region() -> None:
     profile = profile_step(model, blocks, (x,), {}, default_loss)
     options = [block.choices for block in profile.blocks]
     full = [next(i for i, c in enumerate(o) if c.name == "full") for o in options]
-    plan = Plan(
-        tuple(PlannedBlock(name, "", "full", 0, 0, layer) for name, layer in blocks),
-        budget=1, peak=1, no_checkpoint_peak=1, smallest_budget=1, step_cost=1, added_cost=0,
-        step_seconds=1.0, costs="cpu", optimal=True, model=model,
-    )  # fmt: skip
-    assert peak_of(profile.floors, options, full) == _measured_peak(model, x, plan)
+    plan = _full_regions(model, [layer for _, layer in blocks])
+    assert profile.predicted_peak(full) == _measured_peak(model, x, plan)
 
 
 def test_whole_budget_is_no_regions_and_a_small_one_raises_with_the_smallest() -> None:
@@ -362,15 +442,18 @@ def test_blocks_outside_the_model_are_refused() -> None:
 # The solver against every plan of small problems.
 
 _options = st.builds(
-    lambda kept, cost, recompute: Choice("x", kept, cost, recompute),
+    lambda kept, cost, recompute, after_none: Choice("x", kept, cost, recompute, after_none),
     st.integers(0, 100),
     st.integers(0, 10),  # few values: plans tie often
     st.integers(0, 200),
+    st.sampled_from([0, 0, 30]),  # NOTE [ inputs regions hold ]
 )
+
+Problem = tuple[list[int | None], list[list[Choice]], list[int | None] | None]
 
 
 @st.composite
-def _problems(draw: st.DrawFn) -> tuple[list[int | None], list[list[Choice]]]:
+def _problems(draw: st.DrawFn) -> Problem:
     n = draw(st.integers(1, 5))
     options = [
         [
@@ -380,7 +463,10 @@ def _problems(draw: st.DrawFn) -> tuple[list[int | None], list[list[Choice]]]:
         for _ in range(n)
     ]
     floors = [draw(st.none() | st.integers(0, 100)) for _ in range(n + 1)]
-    return floors, options
+    late = draw(
+        st.none() | st.lists(st.none() | st.integers(0, 200), min_size=n + 1, max_size=n + 1)
+    )
+    return floors, options, late
 
 
 def _rule(options: list[list[Choice]], plan: tuple[int, ...]) -> tuple[object, ...]:
@@ -391,26 +477,47 @@ def _rule(options: list[list[Choice]], plan: tuple[int, ...]) -> tuple[object, .
     return cost, sum(c > 0 for c in plan), order
 
 
+# A late floor rules out the one plan with a region: none fits.
+_LATE = (
+    [0, 0],
+    [[Choice("none", 60, 0, None), Choice("full", 1, 1, 0)]],
+    [None, 100],
+)
+# A region after a region keeps nothing more, after none 50: the cheap first block (no
+# region) must not prune the plan that gives it one.
+_KINDS = (
+    [0, 0, 0],
+    [
+        [Choice("none", 10, 0, None), Choice("full", 20, 5, 0)],
+        [Choice("none", 100, 0, None), Choice("full", 0, 1, 0, after_none=50)],
+    ],
+    None,
+)
+
+
 @given(problem=_problems(), budget=st.integers(0, 800))
+@example(problem=_LATE, budget=50)
+@example(problem=_KINDS, budget=50)
 def test_the_solver_finds_the_first_plan_by_its_rule_within_the_budget(
-    problem: tuple[list[int | None], list[list[Choice]]], budget: int
+    problem: Problem, budget: int
 ) -> None:
-    """NOTE [ planning as a dynamic program ]: against every plan, ties included."""
-    floors, options = problem
+    """NOTE [ planning as a dynamic program ]: against every plan, ties included, with late
+    floors and inputs held after a block without a region (NOTE [ inputs regions hold ])."""
+    floors, options, late = problem
     plans = list(itertools.product(*(range(len(o)) for o in options)))
-    feasible = [p for p in plans if peak_of(floors, options, p) <= budget]
-    solution = solve(floors, options, budget)
+    feasible = [p for p in plans if peak_of(floors, options, p, late) <= budget]
+    solution = solve(floors, options, budget, late=late)
     if not feasible:
         assert solution is None
         return
     assert solution is not None and solution.optimal
-    assert peak_of(floors, options, solution.choices) == solution.peak <= budget
+    assert peak_of(floors, options, solution.choices, late) == solution.peak <= budget
     best = min(feasible, key=lambda p: _rule(options, p))
     assert solution.choices == best
     assert solution.cost == _rule(options, best)[0]
-    lowest = solve(floors, options, float("inf"), minimize="peak")
+    lowest = solve(floors, options, float("inf"), minimize="peak", late=late)
     assert lowest is not None
-    assert lowest.peak == min(peak_of(floors, options, p) for p in plans)
+    assert lowest.peak == min(peak_of(floors, options, p, late) for p in plans)
 
 
 def test_the_solver_thins_a_large_front_and_says_so() -> None:
@@ -529,7 +636,7 @@ def test_a_preset_block_never_peaks_above_its_prediction() -> None:
     for i, block in enumerate(profile.blocks):
         for c, choice in enumerate(block.choices[1:], start=1):
             chosen = [c if j == i else 0 for j in range(len(options))]
-            predicted = peak_of(profile.floors, options, chosen)
+            predicted = profile.predicted_peak(chosen)
             save = None if choice.name == "full" else scopedckpt.policies.save_convolutions
 
             def step(region: nn.Module, save: object) -> None:

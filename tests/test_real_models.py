@@ -138,7 +138,6 @@ def test_a_resnet_block_with_a_preset_never_peaks_above_its_prediction() -> None
     full region's less what it keeps put layer2.0's 0.8 % above the plan's budget."""
     from benchmarks.real_imports import UnavailableError, import_timm
     from scopedckpt.planner._profile import profile_step
-    from scopedckpt.planner._solve import peak_of
 
     try:
         timm = import_timm()
@@ -164,7 +163,7 @@ def test_a_resnet_block_with_a_preset_never_peaks_above_its_prediction() -> None
 
     for i, (_, block) in enumerate(named):
         preset = [c.name for c in options[i]].index("convolutions")
-        predicted = peak_of(profile.floors, options, [preset if j == i else 0 for j in range(8)])
+        predicted = profile.predicted_peak([preset if j == i else 0 for j in range(8)])
         step(block)  # the site's first call, verified
         model.zero_grad(set_to_none=True)
         measured = scopedckpt.measure_peak(step, block)

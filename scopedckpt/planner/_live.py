@@ -123,6 +123,11 @@ class LiveBytes(TorchDispatchMode):
             if entry is not None:
                 yield entry[1:]
 
+    def alive(self) -> set[int]:
+        """The serials of the counted storages alive now."""
+        with self._lock:
+            return {entry[3] for entry in self._counted.values()}
+
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:

@@ -296,9 +296,9 @@ def choose(profile: Profile, budget: int, model: nn.Module | None) -> Plan:
     """The plan for ``budget`` from a profile (:func:`plan` without the profiling)."""
     floors = profile.floors
     options = [block.choices for block in profile.blocks]
-    smallest = solve(floors, options, float("inf"), minimize="peak")
+    smallest = solve(floors, options, float("inf"), minimize="peak", late=profile.late)
     assert smallest is not None  # no budget: "none" everywhere is feasible
-    solution = solve(floors, options, budget)
+    solution = solve(floors, options, budget, late=profile.late)
     if solution is None:
         raise ScopedCkptError(
             f"scopedckpt: no plan fits a budget of {format_bytes(budget)}: the smallest "

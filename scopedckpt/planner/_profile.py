@@ -24,8 +24,9 @@ plus, for each block i given a region, the moment its recompute peaks, in its
 backward: the blocks before i settled under the plan, block i's region and
 what its recompute rebuilds on top. That moment is measured, not modelled: a
 second counted step makes every block a full region and takes, for each, the
-most bytes live during its backward less what the blocks up to it keep there
-(``rebuild``; what a full region keeps is measured there too: its output, and
+most bytes live during its backward, or during its first forward where that is
+more (verified: fingerprints are taken there), less what the blocks up to it keep
+there (``rebuild``; what a full region keeps is measured there too: its output, and
 any record the region holds, its fingerprints included: that step verifies every
 region bit for bit, as a step does at each site's first call and sampled
 ones). A ``save=`` preset keeps the outputs of the ops it selects besides, on
@@ -34,10 +35,10 @@ recomputed tensors die as backward reads them: its recompute is bounded by the
 full region's, on top of what it keeps (measured on ResNet-18, taking it as the
 full region's less the bytes it keeps put a plan's peak 0.8 % above its budget,
 with the kept outputs alive at the block's last convolution backward). The
-model gives the peak without
-regions exactly and the one with every block a full region exactly; mixed
-plans assume the rest of the step is unchanged, which :mod:`benchmarks.plan`
-checks against measured peaks.
+model gives the peak without regions exactly and the one with every block a
+full region exactly; mixed plans assume the rest of the step is unchanged but
+for the inputs regions hold (NOTE [ inputs regions hold ] in ``_held.py``), which
+:mod:`benchmarks.plan` checks against measured peaks.
 
 Added cost: the cost of the ops of the block's forward, counted in the step
 without regions, as NOTE [ counted costs ] in ``_costs.py`` prices them (a
@@ -48,7 +49,7 @@ run. Timed is only the step without regions, to report costs as time.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -62,8 +63,9 @@ from ..core._policy import as_policy
 from ..core._sampling import suspended
 from ..core._scope import checkpointing
 from ._costs import CONSTANTS, Constants, op_cost
+from ._held import held_inputs, late_floors
 from ._live import OUTSIDE, LiveBytes, tensors
-from ._solve import Choice
+from ._solve import Choice, peak_of
 from ._untouched import Untouched
 
 __all__ = ["PRESETS", "BlockProfile", "Choice", "Profile", "default_loss", "profile_step"]
@@ -92,12 +94,17 @@ class Profile:
 
     blocks: tuple[BlockProfile, ...]  # in the order their forwards ran
     floors: tuple[int | None, ...]  # floor[m] for m = 0..len(blocks); None: never seen
+    late: tuple[int | None, ...]  # late[m], NOTE [ inputs regions hold ]; None: none
     peak: int  # the step's peak without checkpointing
     step_cost: int  # the step's cost without checkpointing (NOTE [ counted costs ])
     step_seconds: float  # the step's time without checkpointing, counted
     costs: str  # the device type whose constants priced it (_costs.CONSTANTS)
     unused: tuple[str, ...]  # candidate blocks the step did not run
     seconds: float  # how long profiling took
+
+    def predicted_peak(self, choices: Sequence[int]) -> int:
+        """The predicted peak of the plan giving each block the option of that index."""
+        return peak_of(self.floors, [b.choices for b in self.blocks], choices, self.late)
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -132,9 +139,15 @@ class _Instrumented:
         self.order: list[int] = []  # block index at each forward position
         self.position: dict[int, int] = {}
         observe = self._observe if machine else None
-        self.counter = LiveBytes(observe, untouched.before_op)
+        self.counter = LiveBytes(observe, untouched.before_op, self._freed)
         self.m = 0
         self.segments: dict[int, int] = {}
+        self.ended = False  # the forward (the loss included)
+        self.forward_segments: dict[int, int] = {}  # the segments before it ended, and after
+        self.backward_segments: dict[int, int] = {}
+        self.inputs: dict[int, dict[int, tuple[int, int]]] = {}  # position -> serial -> bytes, tag
+        self.freed_at: dict[int, int] = {}  # an input's serial -> the m it was freed at
+        self.taken: set[int] = set()  # the inputs' serials
         self.out: dict[int, dict[int, int]] = {}  # position -> serial -> bytes
         self.backward_started: set[int] = set()
         self.backward_block: int | None = None  # the block whose backward runs
@@ -156,6 +169,8 @@ class _Instrumented:
         if self.backward_block is not None:
             k = self.backward_block
             self.backward_peak[k] = max(self.backward_peak.get(k, 0), counter.peak)
+        part = self.backward_segments if self.ended else self.forward_segments
+        part[self.m] = max(part.get(self.m, 0), counter.peak)
         self.m = m
         counter.restart_peak()
 
@@ -180,7 +195,11 @@ class _Instrumented:
             for nbytes, _, serial in self.counter.counted(out):
                 kept.setdefault(serial, nbytes)
 
-    def pre(self, module: nn.Module, args: Any) -> None:
+    def _freed(self, serial: int, nbytes: int) -> None:
+        if not self.ended and serial in self.taken:
+            self.freed_at[serial] = self.m
+
+    def pre(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         i = self.index[id(module)]
         name = self.blocks[i][0]
         if i in self.position:
@@ -200,6 +219,9 @@ class _Instrumented:
         self.position[i] = k
         self.close(k)
         self.counter.tag = k
+        inputs = {serial: (b, tag) for b, tag, serial in self.counter.counted((args, kwargs))}
+        self.inputs[k] = inputs
+        self.taken.update(inputs)
 
     def post(self, module: nn.Module, args: Any, output: Any) -> None:
         k = self.position[self.index[id(module)]]
@@ -243,20 +265,23 @@ def profile_step(
     began = time.perf_counter()
     inputs = tuple(tensors((args, kwargs)))
 
-    def step(tally: _Instrumented, scope: Any) -> list[int]:
+    def step(tally: _Instrumented, scope: Any) -> tuple[list[int], set[int]]:
         handles = []
         for _, module in tally.blocks:
-            handles.append(module.register_forward_pre_hook(tally.pre))
+            handles.append(module.register_forward_pre_hook(tally.pre, with_kwargs=True))
             handles.append(module.register_forward_hook(tally.post))
         try:
             with tally.counter:
                 with scope, torch.enable_grad():
                     loss = loss_fn(model(*args, **kwargs))
                 kept = [tally.counter.by_tag.get(k, 0) for k in range(len(tally.order))]
+                alive = tally.counter.alive()
+                tally.close(tally.m)
+                tally.ended = True
                 loss.backward()
                 del loss
                 tally.close(tally.m)
-            return kept
+            return kept, alive
         finally:
             for handle in handles:
                 handle.remove()
@@ -269,7 +294,7 @@ def profile_step(
         tally = _Instrumented(blocks, untouched, machine)
         synchronize(device)
         start = time.perf_counter()
-        kept = step(tally, checkpointing(enabled=False))
+        kept, alive = step(tally, checkpointing(enabled=False))
         synchronize(device)
         step_seconds = time.perf_counter() - start
         ran = [blocks[i] for i in tally.order]
@@ -278,7 +303,7 @@ def profile_step(
         # full region keeps includes its fingerprints, so a verified step fits the plan.
         regions = checkpointing(*(module for _, module in ran), determinism_check="bitwise")
         with suspended():
-            kept_full = step(full, regions)
+            kept_full, _ = step(full, regions)
         if full.order != list(range(len(ran))):
             raise ScopedCkptError(
                 "scopedckpt: plan() saw the blocks run in another order in its second step; "
@@ -290,16 +315,22 @@ def profile_step(
         tally.segments[m] - below if m in tally.segments else None
         for m, below in enumerate(settled)
     )
+    held = held_inputs(tally.inputs, alive, tally.freed_at, len(tally.order))
+    late = late_floors(settled, tally.forward_segments, tally.backward_segments, held.shared)
     profiled = []
     for k, i in enumerate(tally.order):
         name, module = blocks[i]
         ops, work = tally.ops.get(k, 0), tally.work.get(k, 0)
         cost = ops * machine.op + work + machine.region  # its forward's ops, again
-        choices = [Choice("none", kept[k], 0, None)]
+        # What its region holds of its inputs (NOTE [ inputs regions hold ] in _held.py).
+        alone, handed = held.alone.get(k, 0), held.handed.get(k, 0)
+        choices = [Choice("none", kept[k], 0, None, after_region=-handed)]
         if k in full.backward_peak:
-            # Bytes at the recompute's peak besides what blocks up to k keep (measured).
-            rebuild = full.backward_peak[k] - settled_full[k + 1]
-            choices.append(Choice("full", kept_full[k], cost, rebuild))
+            # Bytes at the region's peak besides what blocks up to k keep (measured): its
+            # recompute's, or its verified first forward's (fingerprints being taken).
+            peak = max(full.backward_peak[k], full.forward_segments.get(k, 0))
+            rebuild = peak - settled_full[k + 1]
+            choices.append(Choice("full", kept_full[k] + alone, cost, rebuild, handed))
             seen: set[tuple[int, int]] = set()
             for preset in tally.presets:
                 selected = tally.preset_kept.get((preset, k))
@@ -314,12 +345,14 @@ def profile_step(
                 selective = cost - spared_work + machine.selective * ops
                 selective += extra * machine.kept >> 20  # fresh memory (NOTE [ counted costs ])
                 # Its recompute at most the full region's (NOTE [ peak model ]).
-                choices.append(Choice(preset, kept_full[k] + extra, selective, rebuild))
+                kept_preset = kept_full[k] + alone + extra
+                choices.append(Choice(preset, kept_preset, selective, rebuild, handed))
         profiled.append(BlockProfile(name, module, tuple(choices)))
     unused = tuple(name for i, (name, _) in enumerate(blocks) if i not in tally.position)
     return Profile(
         tuple(profiled),
         floors,
+        late,
         max(tally.segments.values(), default=0),
         tally.step_cost,
         step_seconds,

@@ -6,26 +6,27 @@ NOTE [ planning as a dynamic program ]
 Under the peak model (NOTE [ peak model ] in ``_profile.py``) every constraint
 a plan must meet has the form ``constant + prefix[m] <= budget``, where
 ``prefix[m]`` is what the first m blocks keep under the plan and the constant
-depends on block m's own choice at most. So what the first i choices leave to
-the rest of the plan is one number, ``prefix[i]``: of two partial plans with
-the same or a smaller prefix, the worse one can never finish better. The
-program walks the blocks in forward order and keeps, after each block, the
-Pareto front of (prefix, key) over the feasible partial plans, where a plan's
-key orders plans by their cost (NOTE [ counted costs ] in ``_costs.py``), then
-by their number of regions (fewer first), then by their choices in forward
-order: at the first block where two differ, a region before none, and of two
-regions the earlier option (a profile lists full, then the presets in the
-order of ``_profile.PRESETS``). Costs and
-region counts add up and the last rule compares histories of equal length, so
-every part of the key survives extending both plans the same way: the best
-complete plan by the key is the program's, the same in every run. The
-smallest feasible budget comes from the same walk with the peak so far as the
-objective.
+depends on block m's own choice, and on whether a region came before it and
+whether the block before has one (NOTE [ inputs regions hold ] in
+``_held.py``), at most. So what the first i choices leave to the rest of the
+plan is one number, ``prefix[i]``, and a *kind* (those two facts): of two partial
+plans of one kind with the same or a smaller prefix, the worse one can never
+finish better. The program walks the blocks in forward order and keeps, after
+each block, the Pareto front of (prefix, key) of each kind over the feasible
+partial plans, where a plan's key orders plans by their cost (NOTE [ counted
+costs ] in ``_costs.py``), then by their number of regions (fewer first), then
+by their choices in forward order: at the first block where two differ, a region
+before none, and of two regions the earlier option (a profile lists full, then
+the presets in the order of ``_profile.PRESETS``). Costs and region counts add
+up and the last rule compares histories of equal length, so every part of the
+key survives extending both plans the same way: the best complete plan by the
+key is the program's, the same in every run. The smallest feasible budget comes
+from the same walk with the peak so far as the objective.
 
-The front holds at most one state per distinct prefix, and identical blocks
+A front holds at most one state per distinct prefix, and identical blocks
 make prefixes repeat, so it stays small in practice (a few thousand states
-for 200 blocks of three choices). Past ``cap`` states it is thinned to one
-state per ``1/cap`` of its byte range (the best of each), still feasible
+for 200 blocks of three choices). Past ``cap`` states the fronts are thinned to
+one state of each kind per ``1/cap`` of their byte range (the best of each), still feasible
 but no longer provably optimal: :attr:`Solution.optimal` says which. The work
 per block is a few tensor operations on the front.
 """
@@ -50,6 +51,10 @@ class Choice:
     # Bytes live at the recompute's peak besides what settled blocks keep (NOTE
     # [ peak model ]); None for no region.
     recompute: int | None
+    # Kept besides where the block before has no region, and where it has one: inputs
+    # that block made which a region holds (NOTE [ inputs regions hold ] in _held.py).
+    after_none: int = 0
+    after_region: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,26 +68,35 @@ class Solution:
 
 
 def peak_of(
-    floors: Sequence[int | None], options: Sequence[Sequence[Choice]], choices: Sequence[int]
+    floors: Sequence[int | None],
+    options: Sequence[Sequence[Choice]],
+    choices: Sequence[int],
+    late: Sequence[int | None] | None = None,
 ) -> int:
-    """The predicted peak of one plan (NOTE [ peak model ]).
+    """The predicted peak of one plan (NOTE [ peak model ]); ``late[m]`` applies where a
+    region is among the first m blocks (NOTE [ inputs regions hold ]).
 
     Example
     -------
     >>> none, full = Choice("none", 100, 0, None), Choice("full", 10, 1, 150)
     >>> peak_of([5, 20, 20], [[none, full], [none, full]], [0, 1])
     260
+    >>> peak_of([5, 20, 20], [[none, full], [none, full]], [1, 0], late=[None, 30, 60])
+    170
     """
     prefix = 0
     peak = floors[0] or 0
+    regions = before = False  # a region so far; at the block before
     for i, choice in enumerate(choices):
         option = options[i][choice]
-        prefix += option.kept
+        prefix += option.kept + (option.after_region if before else option.after_none)
+        before = option.recompute is not None
         if option.recompute is not None:
+            regions = True
             peak = max(peak, prefix + option.recompute)
-        floor = floors[i + 1]
-        if floor is not None:
-            peak = max(peak, prefix + floor)
+        for floor in (floors[i + 1], late[i + 1] if late and regions else None):
+            if floor is not None:
+                peak = max(peak, prefix + floor)
     return peak
 
 
@@ -111,12 +125,17 @@ def _lex(*columns: torch.Tensor) -> torch.Tensor:
     return ranks
 
 
-def _front(prefix: torch.Tensor, key: torch.Tensor, cap: int) -> tuple[torch.Tensor, bool]:
-    """Indices of the Pareto front of (prefix, key), both smaller-is-better, sorted by
-    prefix; thinned past ``cap`` states (returns whether it was)."""
+def _front(
+    prefix: torch.Tensor, key: torch.Tensor, kind: torch.Tensor, cap: int
+) -> tuple[torch.Tensor, bool]:
+    """Indices of the Pareto front of (prefix, key), both smaller-is-better, of each kind
+    of state apart; thinned past ``cap`` states of a kind (returns whether it was)."""
     order = torch.argsort(key, stable=True)
     order = order[torch.argsort(prefix[order], stable=True)]
-    ordered = key[order]
+    order = order[torch.argsort(kind[order], stable=True)]
+    # Kinds in order, each one's keys below every earlier kind's: the running minimum
+    # starts again at each kind.
+    ordered = key[order] + (kind.max() - kind[order]) * (int(key.max()) + 1)
     best_before = torch.cummin(ordered, dim=0).values
     keep = torch.ones_like(ordered, dtype=torch.bool)
     keep[1:] = ordered[1:] < best_before[:-1]
@@ -124,11 +143,13 @@ def _front(prefix: torch.Tensor, key: torch.Tensor, cap: int) -> tuple[torch.Ten
     if kept.numel() <= cap:
         return kept, False
     bytes_ = prefix[kept].double()
-    low, high = bytes_[0], bytes_[-1]
+    low, high = bytes_.min(), bytes_.max()
     bucket = ((bytes_ - low) * (cap / max(float(high - low), 1.0))).long()
+    bucket += kind[kept] * (cap + 1)
     last = torch.ones_like(bucket, dtype=torch.bool)
     last[:-1] = bucket[1:] != bucket[:-1]  # the best state of each bucket is its last
-    return kept[last], True
+    thinned = kept[last]
+    return thinned, thinned.numel() < kept.numel()
 
 
 def solve(
@@ -138,6 +159,7 @@ def solve(
     *,
     minimize: str = "cost",
     cap: int = 4096,
+    late: Sequence[int | None] | None = None,
 ) -> Solution | None:
     """The best plan whose predicted peak is at most ``budget``, or None if none is.
 
@@ -156,6 +178,9 @@ def solve(
     cap
         The most states kept after each block (see NOTE [ planning as a dynamic
         program ]).
+    late
+        ``late[m]``, a floor that applies where a region is among the first m blocks
+        (NOTE [ inputs regions hold ] in ``_held.py``); None: none.
 
     Example
     -------
@@ -170,42 +195,52 @@ def solve(
     start = floors[0] or 0
     if start > budget:
         return None
-    # One state per partial plan: prefix, cost, regions, peak, and its history's rank.
-    state = [torch.zeros(1, dtype=torch.int64) for _ in range(5)]
+    # One state per partial plan: prefix, cost, regions, peak, its history's rank, and
+    # whether its last block has a region.
+    state = [torch.zeros(1, dtype=torch.int64) for _ in range(6)]
     state[3] += start
     parents: list[torch.Tensor] = []
     picks: list[torch.Tensor] = []
     thinned = False
     for i, block in enumerate(options):
         floor = floors[i + 1]
-        prefix, cost, regions, peak, rank = state
+        after = late[i + 1] if late else None
+        prefix, cost, regions, peak, rank, last = state
         grown: list[tuple[torch.Tensor, ...]] = []  # per option, the states it leaves feasible
         states = torch.arange(prefix.numel())
         for c, option in enumerate(block):
-            p = prefix + option.kept
+            p = prefix + option.kept + torch.where(last > 0, option.after_region, option.after_none)
             q = peak
             if option.recompute is not None:
                 q = torch.maximum(q, p + option.recompute)
             if floor is not None:
                 q = torch.maximum(q, p + floor)
+            r = regions + (c > 0)
+            if after is not None:
+                q = torch.where(r > 0, torch.maximum(q, p + after), q)
             ok = q <= budget
             # The option's place at this block: a region before none, then option order.
-            order = torch.full((int(ok.sum()),), c or len(block), dtype=torch.int64)
-            added = (cost[ok] + option.cost, regions[ok] + (c > 0), q[ok], rank[ok], order)
+            n = int(ok.sum())
+            order = torch.full((n,), c or len(block), dtype=torch.int64)
+            region = torch.full((n,), int(c > 0), dtype=torch.int64)
+            added = (cost[ok] + option.cost, r[ok], q[ok], rank[ok], region, order)
             grown.append((p[ok], *added, states[ok]))
-        prefix, cost, regions, peak, rank, order, parent = map(torch.cat, zip(*grown))
+        prefix, cost, regions, peak, rank, last, order, parent = map(torch.cat, zip(*grown))
         if prefix.numel() == 0:
             return None
         pick = torch.where(order == len(block), 0, order)
         rank = _lex(rank, order)  # histories of equal length, in forward order
         key = _lex(cost, regions, rank) if minimize == "cost" else _lex(peak, rank)
-        kept, thin = _front(prefix, key, cap)
+        # A front per kind of state: whether a region came yet (late floors bind), and
+        # whether the last block has one (what the next block keeps).
+        kinds = (regions > 0) * 2 + last
+        kept, thin = _front(prefix, key, kinds, cap)
         thinned |= thin
-        state = [prefix[kept], cost[kept], regions[kept], peak[kept], rank[kept]]
+        state = [t[kept] for t in (prefix, cost, regions, peak, rank, last)]
+        keys = key[kept]
         parents.append(parent[kept])
         picks.append(pick[kept])
-    # The front's key falls strictly along it (_front): its last state is the best.
-    best = at = state[0].numel() - 1
+    best = at = int(torch.argmin(keys))  # keys are ranks, one per history
     chosen = []
     for parents_of, picks_of in zip(reversed(parents), reversed(picks)):
         chosen.append(int(picks_of[at]))

@@ -1317,8 +1317,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "profile_full_region_keeps_nothing",
         "scopedckpt/planner/_profile.py",
-        '            choices.append(Choice("full", kept_full[k], cost, rebuild))',
-        '            choices.append(Choice("full", 0, cost, rebuild))',
+        '            choices.append(Choice("full", kept_full[k] + alone, cost, rebuild, handed))',
+        '            choices.append(Choice("full", alone, cost, rebuild, handed))',
         ("tests/test_plan.py",),
         "the peak model forgets what a region keeps (its output) for the next block",
     ),
@@ -1333,8 +1333,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "preset_recompute_less_what_it_keeps",
         "scopedckpt/planner/_profile.py",
-        "                choices.append(Choice(preset, kept_full[k] + extra, selective, rebuild))",
-        "                choices.append(Choice(preset, kept_full[k] + extra, selective, rebuild - extra))",
+        "                choices.append(Choice(preset, kept_preset, selective, rebuild, handed))",
+        "                choices.append(Choice(preset, kept_preset, selective, rebuild - extra, handed))",
         (
             "tests/test_real_models.py::"
             "test_a_resnet_block_with_a_preset_never_peaks_above_its_prediction",
@@ -1345,10 +1345,60 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "profile_recompute_rebuilds_nothing",
         "scopedckpt/planner/_profile.py",
-        "            rebuild = full.backward_peak[k] - settled_full[k + 1]",
+        "            rebuild = peak - settled_full[k + 1]",
         "            rebuild = 0",
         ("tests/test_plan.py",),
         "the peak model forgets the activations a recompute rebuilds during backward",
+    ),
+    Mutant(
+        "profile_region_forward_peak_unseen",
+        "scopedckpt/planner/_profile.py",
+        "            peak = max(full.backward_peak[k], full.forward_segments.get(k, 0))",
+        "            peak = full.backward_peak[k]",
+        ("tests/test_plan.py",),
+        "a verified region's first forward (its fingerprints) is left out of its peak",
+    ),
+    Mutant(
+        "profile_outputs_handed_to_regions_unseen",
+        "scopedckpt/planner/_held.py",
+        "            into = held.handed if tag == k - 1 else held.alone",
+        "            into = {}",
+        ("tests/test_plan.py",),
+        "a region after a block without one holds that block's output, which plain training "
+        "frees: the plan peaks above its prediction",
+    ),
+    Mutant(
+        "profile_outputs_freed_after_regions_unseen",
+        "scopedckpt/planner/_profile.py",
+        '        choices = [Choice("none", kept[k], 0, None, after_region=-handed)]',
+        '        choices = [Choice("none", kept[k], 0, None)]',
+        ("tests/test_plan.py",),
+        "a block without a region frees the output of the region before it: predicted as kept",
+    ),
+    Mutant(
+        "profile_shared_inputs_unseen",
+        "scopedckpt/planner/_profile.py",
+        "    late = late_floors(settled, tally.forward_segments, tally.backward_segments, held.shared)",
+        "    late = (None,) * len(settled)",
+        ("tests/test_plan.py",),
+        "a mask made outside the blocks lives to the first region's backward, where plain "
+        "training freed it when the forward returned: plans peak above their predictions",
+    ),
+    Mutant(
+        "solve_ignores_late_floors",
+        "scopedckpt/planner/_solve.py",
+        "        after = late[i + 1] if late else None",
+        "        after = None",
+        ("tests/test_plan.py",),
+        "the solver drops the floors that bind plans with a region: plans peak above budgets",
+    ),
+    Mutant(
+        "solve_one_front_for_every_kind",
+        "scopedckpt/planner/_solve.py",
+        "        kinds = (regions > 0) * 2 + last",
+        "        kinds = torch.zeros_like(last)",
+        ("tests/test_plan.py",),
+        "partial plans of different kinds prune each other: the best plan can be lost",
     ),
     Mutant(
         "scope_ignores_plan_presets",
