@@ -139,9 +139,13 @@ class LiveBytes(TorchDispatchMode):
         aliasing = self._aliasing.get(func)
         if aliasing is None:
             aliasing = self._aliasing[func] = op_schema_facts(func)[1]
-        for storage in storages(out):
-            # A view or an in-place result is its argument's storage: nothing new.
-            self._count(storage, new=not aliasing)
+        # A view or an in-place result is its argument's storage: nothing new.
+        if type(out) is torch.Tensor:  # most ops: no walk through containers
+            if out.layout is torch.strided and out.device.type != "meta":
+                self._count(out.untyped_storage(), new=not aliasing)
+        else:
+            for storage in storages(out):
+                self._count(storage, new=not aliasing)
         if self.observe is not None:
             self.observe(func, args, kwargs, out)
         return out

@@ -1211,6 +1211,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "a peak in a region's recompute is reported in its forward",
     ),
     Mutant(
+        "peak_keeps_its_first_moment",
+        "scopedckpt/planner/_peak.py",
+        "        if key != self.key:  # the moment changed (or is seen for the first time)",
+        "        if self.key is None:",
+        ("tests/test_peak.py",),
+        "every op after the first is charged to the step's first moment: no recompute, no backward",
+    ),
+    Mutant(
         "peak_names_a_library_line",
         "scopedckpt/planner/_peak.py",
         "        if not code.co_filename.startswith(LIBRARY_SOURCES):",
@@ -1221,8 +1229,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "live_bytes_count_views",
         "scopedckpt/planner/_live.py",
-        "            self._count(storage, new=not aliasing)",
-        "            self._count(storage, new=True)",
+        "                self._count(out.untyped_storage(), new=not aliasing)",
+        "                self._count(out.untyped_storage(), new=True)",
         ("tests/test_plan.py",),
         "a view of a parameter counts the parameter as a new tensor of the step",
     ),
