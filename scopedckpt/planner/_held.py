@@ -11,9 +11,12 @@ input, and GPT-2's attention mask lives only until the model's forward returns
 their predictions). The step without regions notes each block's inputs, and which
 of them are dead when the forward ends. Of those:
 
-* one the block before made (its output): a region keeps it where that block has
-  none (``Choice.after_none``); where it has a region, that region's kept bytes
-  include it, and a block without one frees it (``Choice.after_region``, negative);
+* one the block before made (its output, ``handed``): the region keeps it, and it
+  is taken out of what the block before keeps as a region (measured in the step
+  where every block is a region, it counted there, held by this one), and out of
+  what the rest of the step holds at that region's recompute (dead by then): so a
+  block without a region after one does not keep it, and while the block after a
+  region runs it is counted once, as its input;
 * one made outside the blocks, or earlier, and taken by this block alone: its
   region keeps it;
 * one made outside the blocks and taken by several (a mask): it lives until the

@@ -323,14 +323,15 @@ def profile_step(
         ops, work = tally.ops.get(k, 0), tally.work.get(k, 0)
         cost = ops * machine.op + work + machine.region  # its forward's ops, again
         # What its region holds of its inputs (NOTE [ inputs regions hold ] in _held.py).
-        alone, handed = held.alone.get(k, 0), held.handed.get(k, 0)
-        choices = [Choice("none", kept[k], 0, None, after_region=-handed)]
+        # Its input from the block before counts here, not in that block's region.
+        holds = held.alone.get(k, 0) + held.handed.get(k, 0) - held.handed.get(k + 1, 0)
+        choices = [Choice("none", kept[k], 0, None)]
         if k in full.backward_peak:
             # Bytes at the region's peak besides what blocks up to k keep (measured): its
             # recompute's, or its verified first forward's (fingerprints being taken).
             peak = max(full.backward_peak[k], full.forward_segments.get(k, 0))
-            rebuild = peak - settled_full[k + 1]
-            choices.append(Choice("full", kept_full[k] + alone, cost, rebuild, handed))
+            rebuild = peak - settled_full[k + 1] + held.handed.get(k + 1, 0)
+            choices.append(Choice("full", kept_full[k] + holds, cost, rebuild))
             seen: set[tuple[int, int]] = set()
             for preset in tally.presets:
                 selected = tally.preset_kept.get((preset, k))
@@ -345,8 +346,8 @@ def profile_step(
                 selective = cost - spared_work + machine.selective * ops
                 selective += extra * machine.kept >> 20  # fresh memory (NOTE [ counted costs ])
                 # Its recompute at most the full region's (NOTE [ peak model ]).
-                kept_preset = kept_full[k] + alone + extra
-                choices.append(Choice(preset, kept_preset, selective, rebuild, handed))
+                kept_preset = kept_full[k] + holds + extra
+                choices.append(Choice(preset, kept_preset, selective, rebuild))
         profiled.append(BlockProfile(name, module, tuple(choices)))
     unused = tuple(name for i, (name, _) in enumerate(blocks) if i not in tally.position)
     return Profile(

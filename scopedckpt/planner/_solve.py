@@ -6,12 +6,11 @@ NOTE [ planning as a dynamic program ]
 Under the peak model (NOTE [ peak model ] in ``_profile.py``) every constraint
 a plan must meet has the form ``constant + prefix[m] <= budget``, where
 ``prefix[m]`` is what the first m blocks keep under the plan and the constant
-depends on block m's own choice, and on whether a region came before it and
-whether the block before has one (NOTE [ inputs regions hold ] in
-``_held.py``), at most. So what the first i choices leave to the rest of the
-plan is one number, ``prefix[i]``, and a *kind* (those two facts): of two partial
-plans of one kind with the same or a smaller prefix, the worse one can never
-finish better. The program walks the blocks in forward order and keeps, after
+depends on block m's own choice, and on whether a region came before it (NOTE
+[ inputs regions hold ] in ``_held.py``), at most. So what the first i choices
+leave to the rest of the plan is one number, ``prefix[i]``, and a *kind* (that
+fact): of two partial plans of one kind with the same or a smaller prefix, the
+worse one can never finish better. The program walks the blocks in forward order and keeps, after
 each block, the Pareto front of (prefix, key) of each kind over the feasible
 partial plans, where a plan's key orders plans by their cost (NOTE [ counted
 costs ] in ``_costs.py``), then by their number of regions (fewer first), then
@@ -51,10 +50,6 @@ class Choice:
     # Bytes live at the recompute's peak besides what settled blocks keep (NOTE
     # [ peak model ]); None for no region.
     recompute: int | None
-    # Kept besides where the block before has no region, and where it has one: inputs
-    # that block made which a region holds (NOTE [ inputs regions hold ] in _held.py).
-    after_none: int = 0
-    after_region: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,11 +81,10 @@ def peak_of(
     """
     prefix = 0
     peak = floors[0] or 0
-    regions = before = False  # a region so far; at the block before
+    regions = False  # a region so far
     for i, choice in enumerate(choices):
         option = options[i][choice]
-        prefix += option.kept + (option.after_region if before else option.after_none)
-        before = option.recompute is not None
+        prefix += option.kept
         if option.recompute is not None:
             regions = True
             peak = max(peak, prefix + option.recompute)
@@ -195,9 +189,8 @@ def solve(
     start = floors[0] or 0
     if start > budget:
         return None
-    # One state per partial plan: prefix, cost, regions, peak, its history's rank, and
-    # whether its last block has a region.
-    state = [torch.zeros(1, dtype=torch.int64) for _ in range(6)]
+    # One state per partial plan: prefix, cost, regions, peak, and its history's rank.
+    state = [torch.zeros(1, dtype=torch.int64) for _ in range(5)]
     state[3] += start
     parents: list[torch.Tensor] = []
     picks: list[torch.Tensor] = []
@@ -205,11 +198,11 @@ def solve(
     for i, block in enumerate(options):
         floor = floors[i + 1]
         after = late[i + 1] if late else None
-        prefix, cost, regions, peak, rank, last = state
+        prefix, cost, regions, peak, rank = state
         grown: list[tuple[torch.Tensor, ...]] = []  # per option, the states it leaves feasible
         states = torch.arange(prefix.numel())
         for c, option in enumerate(block):
-            p = prefix + option.kept + torch.where(last > 0, option.after_region, option.after_none)
+            p = prefix + option.kept
             q = peak
             if option.recompute is not None:
                 q = torch.maximum(q, p + option.recompute)
@@ -220,23 +213,19 @@ def solve(
                 q = torch.where(r > 0, torch.maximum(q, p + after), q)
             ok = q <= budget
             # The option's place at this block: a region before none, then option order.
-            n = int(ok.sum())
-            order = torch.full((n,), c or len(block), dtype=torch.int64)
-            region = torch.full((n,), int(c > 0), dtype=torch.int64)
-            added = (cost[ok] + option.cost, r[ok], q[ok], rank[ok], region, order)
+            order = torch.full((int(ok.sum()),), c or len(block), dtype=torch.int64)
+            added = (cost[ok] + option.cost, r[ok], q[ok], rank[ok], order)
             grown.append((p[ok], *added, states[ok]))
-        prefix, cost, regions, peak, rank, last, order, parent = map(torch.cat, zip(*grown))
+        prefix, cost, regions, peak, rank, order, parent = map(torch.cat, zip(*grown))
         if prefix.numel() == 0:
             return None
         pick = torch.where(order == len(block), 0, order)
         rank = _lex(rank, order)  # histories of equal length, in forward order
         key = _lex(cost, regions, rank) if minimize == "cost" else _lex(peak, rank)
-        # A front per kind of state: whether a region came yet (late floors bind), and
-        # whether the last block has one (what the next block keeps).
-        kinds = (regions > 0) * 2 + last
-        kept, thin = _front(prefix, key, kinds, cap)
+        # A front per kind of state: whether a region came yet (late floors bind it).
+        kept, thin = _front(prefix, key, (regions > 0).long(), cap)
         thinned |= thin
-        state = [t[kept] for t in (prefix, cost, regions, peak, rank, last)]
+        state = [t[kept] for t in (prefix, cost, regions, peak, rank)]
         keys = key[kept]
         parents.append(parent[kept])
         picks.append(pick[kept])

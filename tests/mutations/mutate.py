@@ -1325,8 +1325,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "profile_full_region_keeps_nothing",
         "scopedckpt/planner/_profile.py",
-        '            choices.append(Choice("full", kept_full[k] + alone, cost, rebuild, handed))',
-        '            choices.append(Choice("full", alone, cost, rebuild, handed))',
+        '            choices.append(Choice("full", kept_full[k] + holds, cost, rebuild))',
+        '            choices.append(Choice("full", holds, cost, rebuild))',
         ("tests/test_plan.py",),
         "the peak model forgets what a region keeps (its output) for the next block",
     ),
@@ -1341,8 +1341,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "preset_recompute_less_what_it_keeps",
         "scopedckpt/planner/_profile.py",
-        "                choices.append(Choice(preset, kept_preset, selective, rebuild, handed))",
-        "                choices.append(Choice(preset, kept_preset, selective, rebuild - extra, handed))",
+        "                choices.append(Choice(preset, kept_preset, selective, rebuild))",
+        "                choices.append(Choice(preset, kept_preset, selective, rebuild - extra))",
         (
             "tests/test_real_models.py::"
             "test_a_resnet_block_with_a_preset_never_peaks_above_its_prediction",
@@ -1353,7 +1353,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "profile_recompute_rebuilds_nothing",
         "scopedckpt/planner/_profile.py",
-        "            rebuild = peak - settled_full[k + 1]",
+        "            rebuild = peak - settled_full[k + 1] + held.handed.get(k + 1, 0)",
         "            rebuild = 0",
         ("tests/test_plan.py",),
         "the peak model forgets the activations a recompute rebuilds during backward",
@@ -1378,10 +1378,20 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "profile_outputs_freed_after_regions_unseen",
         "scopedckpt/planner/_profile.py",
-        '        choices = [Choice("none", kept[k], 0, None, after_region=-handed)]',
-        '        choices = [Choice("none", kept[k], 0, None)]',
+        "held.handed.get(k, 0) - held.handed.get(k + 1, 0)",
+        "held.handed.get(k, 0)",
         ("tests/test_plan.py",),
-        "a block without a region frees the output of the region before it: predicted as kept",
+        "a region's output that the next block takes is counted as kept by both: a block "
+        "without a region after it looks as if it kept it",
+    ),
+    Mutant(
+        "profile_recompute_counts_the_handed_output",
+        "scopedckpt/planner/_profile.py",
+        "            rebuild = peak - settled_full[k + 1] + held.handed.get(k + 1, 0)",
+        "            rebuild = peak - settled_full[k + 1]",
+        ("tests/test_plan.py",),
+        "a region's recompute is predicted without its own output, which the next region held "
+        "when the step measured it and no longer holds then: plans peak above predictions",
     ),
     Mutant(
         "profile_shared_inputs_unseen",
@@ -1403,8 +1413,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "solve_one_front_for_every_kind",
         "scopedckpt/planner/_solve.py",
-        "        kinds = (regions > 0) * 2 + last",
-        "        kinds = torch.zeros_like(last)",
+        "        kept, thin = _front(prefix, key, (regions > 0).long(), cap)",
+        "        kept, thin = _front(prefix, key, torch.zeros_like(regions), cap)",
         ("tests/test_plan.py",),
         "partial plans of different kinds prune each other: the best plan can be lost",
     ),
