@@ -501,7 +501,7 @@ _LATE = (
 )
 # A region on the first block keeps less and costs less than none, but a late floor
 # rules out every plan with a region: it must not prune the plan without one.
-_KINDS = (
+_NO_REGION_YET = (
     [0, 0, 0],
     [
         [Choice("none", 10, 1, None), Choice("full", 5, 0, 0)],
@@ -513,7 +513,7 @@ _KINDS = (
 
 @given(problem=_problems(), budget=st.integers(0, 800))
 @example(problem=_LATE, budget=50)
-@example(problem=_KINDS, budget=50)
+@example(problem=_NO_REGION_YET, budget=50)
 def test_the_solver_finds_the_first_plan_by_its_rule_within_the_budget(
     problem: Problem, budget: int
 ) -> None:

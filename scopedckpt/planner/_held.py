@@ -74,7 +74,7 @@ def held_inputs(
             held.shared.append((nbytes, freed_at.get(serial, blocks)))
             continue
         for k in positions:
-            into = held.handed if tag == k - 1 else held.alone
+            into = held.handed if k > 0 and tag == k - 1 else held.alone
             into[k] = into.get(k, 0) + nbytes
     return held
 

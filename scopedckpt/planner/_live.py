@@ -55,10 +55,15 @@ def tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from tensors(item)
 
 
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has a storage of its own bytes (strided, not on meta)."""
+    return tensor.layout is torch.strided and tensor.device.type != "meta"
+
+
 def storages(value: Any) -> Iterator[torch.UntypedStorage]:
     """The storages of the dense tensors in ``value`` (an op's output: :func:`tensors`)."""
     for tensor in tensors(value):
-        if tensor.layout is torch.strided and tensor.device.type != "meta":
+        if _dense(tensor):
             yield tensor.untyped_storage()
 
 
@@ -141,7 +146,7 @@ class LiveBytes(TorchDispatchMode):
             aliasing = self._aliasing[func] = op_schema_facts(func)[1]
         # A view or an in-place result is its argument's storage: nothing new.
         if type(out) is torch.Tensor:  # most ops: no walk through containers
-            if out.layout is torch.strided and out.device.type != "meta":
+            if _dense(out):
                 self._count(out.untyped_storage(), new=not aliasing)
         else:
             for storage in storages(out):

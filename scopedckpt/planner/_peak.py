@@ -136,8 +136,7 @@ class _Recorder:
         self.limit, self.stepping = limit, False  # stepping: inside the optimizer's step
         self.moments: dict[Any, Moment] = {}  # a frame's (phase, owner id), or a phase
         self.now: tuple[Moment, bool, Any] = (("forward", None), False, "")  # moment, own, op
-        self.key: Any = None  # the moments' key of the latest op, and its moment
-        self.moment: Moment = self.now[0]
+        self.key: Any = None  # the moments' key of the latest op (its moment: now[0])
         self.made: dict[int, tuple[Moment, bool]] = {}  # serial -> (moment, own) that made it
         self.sizes: dict[int, int] = {}  # serial -> bytes, of counted storages live now
         self.events: list[tuple[int, int]] = []  # (serial, bytes made or grown; - freed)
@@ -157,22 +156,23 @@ class _Recorder:
             key: Any = "optimizer step" if self.stepping else type(graph_task_key()) is not object
         else:
             key = (frame.phase, id(frame.owner))
+        moment = self.now[0]
         if key != self.key:  # the moment changed (or is seen for the first time)
             self.key = key
-            moment: Moment | None = self.moments.get(key)
-            if moment is None:
+            found = self.moments.get(key)
+            if found is None:
                 if frame is None:
-                    moment = (key if self.stepping else "backward" if key else "forward", None)
+                    found = (key if self.stepping else "backward" if key else "forward", None)
                 else:
                     region = self.paths.get(id(frame.owner)) or frame_region_name(frame)
-                    moment = ("recompute" if frame.phase is RECOMPUTE else "forward", region)
-                self.moments[key] = moment
-            if moment != self.moment or not self.phases:
-                self.phases.append((len(self.timeline), *moment))
-            self.moment = moment
+                    found = ("recompute" if frame.phase is RECOMPUTE else "forward", region)
+                self.moments[key] = found
+            if found != moment or not self.phases:
+                self.phases.append((len(self.timeline), *found))
+            moment = found
         if self.pending:  # the op before raised: the ops after it (clean-up) must not hide it
             self.raised = self.inflight
-        self.now = (self.moment, issuing_own_ops(), func)  # named in the report only
+        self.now = (moment, issuing_own_ops(), func)  # named in the report only
         self.inflight, self.pending = (len(self.events), len(self.timeline), self.now), True
 
     def grown(self, serial: int, nbytes: int, new: bool) -> None:

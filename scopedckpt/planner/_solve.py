@@ -6,26 +6,28 @@ NOTE [ planning as a dynamic program ]
 Under the peak model (NOTE [ peak model ] in ``_profile.py``) every constraint
 a plan must meet has the form ``constant + prefix[m] <= budget``, where
 ``prefix[m]`` is what the first m blocks keep under the plan and the constant
-depends on block m's own choice, and on whether a region came before it (NOTE
-[ inputs regions hold ] in ``_held.py``), at most. So what the first i choices
-leave to the rest of the plan is one number, ``prefix[i]``, and a *kind* (that
-fact): of two partial plans of one kind with the same or a smaller prefix, the
-worse one can never finish better. The program walks the blocks in forward order and keeps, after
-each block, the Pareto front of (prefix, key) of each kind over the feasible
-partial plans, where a plan's key orders plans by their cost (NOTE [ counted
-costs ] in ``_costs.py``), then by their number of regions (fewer first), then
-by their choices in forward order: at the first block where two differ, a region
-before none, and of two regions the earlier option (a profile lists full, then
-the presets in the order of ``_profile.PRESETS``). Costs and region counts add
-up and the last rule compares histories of equal length, so every part of the
-key survives extending both plans the same way: the best complete plan by the
-key is the program's, the same in every run. The smallest feasible budget comes
-from the same walk with the peak so far as the objective.
+depends on block m's own choice at most, but for the late floors (NOTE [ inputs
+regions hold ] in ``_held.py``), which bind only plans with a region among the
+first m blocks. So what the first i choices leave to the rest of the plan is one
+number, ``prefix[i]``: of two partial plans with regions and the same or a
+smaller prefix, the worse one can never finish better. The program walks the
+blocks in forward order and keeps, after each block, the Pareto front of
+(prefix, key) over the feasible partial plans with a region, and beside it the
+one without (every block so far none), where a plan's key orders plans by their
+cost (NOTE [ counted costs ] in ``_costs.py``), then by their number of regions
+(fewer first), then by their choices in forward order: at the first block where
+two differ, a region before none, and of two regions the earlier option (a
+profile lists full, then the presets in the order of ``_profile.PRESETS``).
+Costs and region counts add up and the last rule compares histories of equal
+length, so every part of the key survives extending both plans the same way:
+the best complete plan by the key is the program's, the same in every run. The
+smallest feasible budget comes from the same walk with the peak so far as the
+objective.
 
-A front holds at most one state per distinct prefix, and identical blocks
+The front holds at most one state per distinct prefix, and identical blocks
 make prefixes repeat, so it stays small in practice (a few thousand states
-for 200 blocks of three choices). Past ``cap`` states the fronts are thinned to
-one state of each kind per ``1/cap`` of their byte range (the best of each), still feasible
+for 200 blocks of three choices). Past ``cap`` states it is thinned to one
+state per ``1/cap`` of its byte range (the best of each), still feasible
 but no longer provably optimal: :attr:`Solution.optimal` says which. The work
 per block is a few tensor operations on the front.
 """
@@ -94,21 +96,26 @@ def peak_of(
     return peak
 
 
-def _lex(*columns: torch.Tensor) -> torch.Tensor:
-    """Dense ranks of the rows of ``columns`` in lexicographic order, smallest first.
+def _order(*columns: torch.Tensor) -> torch.Tensor:
+    """The row indices in lexicographic order of ``columns``, ties kept in row order:
+    stable one-dimensional sorts by each column, last first (``unique(dim=0)``, which
+    ranks rows in one call, took ten times as long on fronts of thousands of states)."""
+    order = torch.argsort(columns[-1], stable=True)
+    for column in reversed(columns[:-1]):
+        order = order[torch.argsort(column[order], stable=True)]
+    return order
 
-    Stable sorts by each column, last first, then a new rank wherever a row differs from
-    the one before it: one-dimensional sorts (``unique(dim=0)``, which ranks rows in one
-    call, took ten times as long on fronts of thousands of states).
+
+def _lex(*columns: torch.Tensor) -> torch.Tensor:
+    """Dense ranks of the rows of ``columns`` in lexicographic order, smallest first: a new
+    rank wherever a row in :func:`_order` differs from the one before it.
 
     Example
     -------
     >>> _lex(torch.tensor([2, 1, 2, 1]), torch.tensor([0, 5, 0, 3])).tolist()
     [2, 1, 2, 0]
     """
-    order = torch.argsort(columns[-1], stable=True)
-    for column in reversed(columns[:-1]):
-        order = order[torch.argsort(column[order], stable=True)]
+    order = _order(*columns)
     new = torch.zeros(order.numel(), dtype=torch.bool)
     new[0] = True
     for column in columns:
@@ -119,17 +126,11 @@ def _lex(*columns: torch.Tensor) -> torch.Tensor:
     return ranks
 
 
-def _front(
-    prefix: torch.Tensor, key: torch.Tensor, kind: torch.Tensor, cap: int
-) -> tuple[torch.Tensor, bool]:
-    """Indices of the Pareto front of (prefix, key), both smaller-is-better, of each kind
-    of state apart; thinned past ``cap`` states of a kind (returns whether it was)."""
-    order = torch.argsort(key, stable=True)
-    order = order[torch.argsort(prefix[order], stable=True)]
-    order = order[torch.argsort(kind[order], stable=True)]
-    # Kinds in order, each one's keys below every earlier kind's: the running minimum
-    # starts again at each kind.
-    ordered = key[order] + (kind.max() - kind[order]) * (int(key.max()) + 1)
+def _front(prefix: torch.Tensor, key: torch.Tensor, cap: int) -> tuple[torch.Tensor, bool]:
+    """Indices of the Pareto front of (prefix, key), both smaller-is-better, sorted by
+    prefix; thinned past ``cap`` states (returns whether it was)."""
+    order = _order(prefix, key)
+    ordered = key[order]
     best_before = torch.cummin(ordered, dim=0).values
     keep = torch.ones_like(ordered, dtype=torch.bool)
     keep[1:] = ordered[1:] < best_before[:-1]
@@ -137,13 +138,11 @@ def _front(
     if kept.numel() <= cap:
         return kept, False
     bytes_ = prefix[kept].double()
-    low, high = bytes_.min(), bytes_.max()
+    low, high = bytes_[0], bytes_[-1]
     bucket = ((bytes_ - low) * (cap / max(float(high - low), 1.0))).long()
-    bucket += kind[kept] * (cap + 1)
     last = torch.ones_like(bucket, dtype=torch.bool)
     last[:-1] = bucket[1:] != bucket[:-1]  # the best state of each bucket is its last
-    thinned = kept[last]
-    return thinned, thinned.numel() < kept.numel()
+    return kept[last], True
 
 
 def solve(
@@ -222,8 +221,11 @@ def solve(
         pick = torch.where(order == len(block), 0, order)
         rank = _lex(rank, order)  # histories of equal length, in forward order
         key = _lex(cost, regions, rank) if minimize == "cost" else _lex(peak, rank)
-        # A front per kind of state: whether a region came yet (late floors bind it).
-        kept, thin = _front(prefix, key, (regions > 0).long(), cap)
+        # The plan without a region yet (one state at most) is kept beside the front of
+        # those with one: the late floors bind only these.
+        ranged = (regions > 0).nonzero().flatten()
+        front, thin = _front(prefix[ranged], key[ranged], cap)
+        kept = torch.cat(((regions == 0).nonzero().flatten(), ranged[front]))
         thinned |= thin
         state = [t[kept] for t in (prefix, cost, regions, peak, rank)]
         keys = key[kept]

@@ -1205,8 +1205,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "peak_recompute_is_a_forward",
         "scopedckpt/planner/_peak.py",
-        '                moment = ("recompute" if frame.phase is RECOMPUTE else "forward", region)',
-        '                moment = ("forward", region)',
+        '                    found = ("recompute" if frame.phase is RECOMPUTE else "forward", region)',
+        '                    found = ("forward", region)',
         ("tests/test_peak.py",),
         "a peak in a region's recompute is reported in its forward",
     ),
@@ -1293,8 +1293,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "solve_front_ignores_kept_bytes",
         "scopedckpt/planner/_solve.py",
-        "    order = order[torch.argsort(prefix[order], stable=True)]\n",
-        "",
+        "    order = _order(prefix, key)\n",
+        "    order = _order(key)\n",
         ("tests/test_plan.py",),
         "the front is pruned by cost alone: costlier partial plans that keep less are lost",
     ),
@@ -1369,7 +1369,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "profile_outputs_handed_to_regions_unseen",
         "scopedckpt/planner/_held.py",
-        "            into = held.handed if tag == k - 1 else held.alone",
+        "            into = held.handed if k > 0 and tag == k - 1 else held.alone",
         "            into = {}",
         ("tests/test_plan.py",),
         "a region after a block without one holds that block's output, which plain training "
@@ -1411,12 +1411,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "the solver drops the floors that bind plans with a region: plans peak above budgets",
     ),
     Mutant(
-        "solve_one_front_for_every_kind",
+        "solve_prunes_the_plan_without_regions",
         "scopedckpt/planner/_solve.py",
-        "        kept, thin = _front(prefix, key, (regions > 0).long(), cap)",
-        "        kept, thin = _front(prefix, key, torch.zeros_like(regions), cap)",
+        "        ranged = (regions > 0).nonzero().flatten()\n"
+        "        front, thin = _front(prefix[ranged], key[ranged], cap)\n"
+        "        kept = torch.cat(((regions == 0).nonzero().flatten(), ranged[front]))\n",
+        "        kept, thin = _front(prefix, key, cap)\n",
         ("tests/test_plan.py",),
-        "partial plans of different kinds prune each other: the best plan can be lost",
+        "a plan with a region prunes the one without, which late floors do not bind: the best "
+        "plan can be lost",
     ),
     Mutant(
         "scope_ignores_plan_presets",
