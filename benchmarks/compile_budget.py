@@ -26,7 +26,16 @@ it. The median of three steps. Step time: every point in interleaved rounds
 (:mod:`benchmarks.timing`), ratios paired per round with 95 % intervals. Exactness: three
 steps of each point against the same family's reference (budget 1.0 for budget points;
 the converted model compiled without regions for compiled plans, eager for eager plans),
-gradients and buffers compared bit for bit.
+gradients and buffers compared bit for bit, with the largest difference relative to the
+reference tensor's largest magnitude where they differ, under
+``torch.use_deterministic_algorithms(True)``, as bitwise training needs: without it
+inductor lowers an embedding's backward (``index_put`` accumulating) to atomic adds on
+CPU, and the compiled model without regions does not reproduce its own gradients (each
+reference is run twice to show that it does under it: ``reproducible``;
+``nondeterministic``: the difference between two runs of the model as shipped, compiled
+without regions, without it). Peaks and times are of the default, deterministic
+algorithms off (they fill new memory, and change a few lowerings): each point compiles
+once for each.
 
 Writes ``results/compile_budget.json``; docs/benchmarks.md's section is generated from it.
 """
@@ -46,11 +55,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._inductor.compile_fx import compile_fx
 
 import scopedckpt
 
 from . import THREADS
-from .compiled import _equal
 from .heap import in_use
 from .models import clear_grads
 from .plan import Subject, _bench, _gpt2
@@ -97,16 +106,17 @@ class _HeapSampler:
         self.peak = max(self.peak, in_use()) - self.before
 
 
-@contextmanager
-def _memory_budget(budget: float) -> Iterator[None]:
-    """AOT autograd's activation memory budget set to ``budget`` while compiling."""
-    config = torch._functorch.config
-    before = config.activation_memory_budget
-    config.activation_memory_budget = budget
-    try:
-        yield
-    finally:
-        config.activation_memory_budget = before
+def _inductor_at(budget: float) -> Callable[..., Any]:
+    """Inductor with AOT autograd's activation memory budget set to ``budget``: a backend
+    of its own per budget, since dynamo reuses a graph compiled for another copy of the
+    same model when the backend is the same (its guards are on the module's code and
+    tensors' shapes, not on the module object or the budget)."""
+
+    def backend(graph: Any, example_inputs: Any) -> Any:
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return compile_fx(graph, example_inputs)
+
+    return backend
 
 
 def _step(run: Callable[..., Any], model: nn.Module, subject: Subject, scope: Any) -> None:
@@ -133,6 +143,50 @@ def _state(run: Callable[..., Any], model: nn.Module, subject: Subject, scope: A
     return seen
 
 
+def _difference(state: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """0 where ``state`` is ``reference`` bit for bit, else the largest difference of two
+    tensors relative to the reference tensor's largest magnitude (inf: other shapes)."""
+    if len(state) != len(reference):
+        return math.inf
+    worst = 0.0
+    for x, y in zip(state, reference):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return math.inf
+        if not torch.equal(x, y):
+            scale = float(y.abs().max()) if y.is_floating_point() else 1.0
+            gap = float((x.double() - y.double()).abs().max())
+            worst = max(worst, gap / scale if scale else math.inf)
+    return worst
+
+
+@contextmanager
+def _deterministic() -> Iterator[None]:
+    """``torch.use_deterministic_algorithms(True)`` inside the block."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _exact_state(run: Callable[..., Any], model: nn.Module, subject: Subject, scope: Any) -> list:
+    """:func:`_state` under deterministic algorithms; then a step without them, so that
+    the default graph is compiled before peaks and times are measured."""
+    with _deterministic():
+        state = _state(run, model, subject, scope)
+    _step(run, model, subject, scope)
+    return state
+
+
+def _nondeterministic_gap(shipped: nn.Module, subject: Subject) -> float:
+    """The difference between two runs of ``shipped`` compiled without regions, without
+    deterministic algorithms: 0 where compiled training reproduces itself anyway."""
+    model = copy.deepcopy(shipped)
+    run = torch.compile(model)
+    first = _state(run, model, subject, nullcontext)
+    return _difference(_state(run, model, subject, nullcontext), first)
+
+
 def _peak(step: Callable[[], None]) -> int:
     peaks = []
     for _ in range(3):
@@ -154,27 +208,38 @@ def measure(name: str, subject: Subject, budgets: tuple, fractions: tuple, round
         converted, *subject.inputs, budget=1.0, blocks=blocks, loss_fn=subject.loss_fn
     )
     low, high = first.smallest_budget, first.no_checkpoint_peak
+    nondeterministic = _nondeterministic_gap(shipped, subject)
     steps: dict[str, Callable[[], None]] = {}
-    exact: dict[str, bool] = {}
+    exact: dict[str, float] = {}  # the difference from the reference: 0 where bitwise
+    reproducible: dict[str, bool] = {}  # each reference, run twice
     kinds: dict[str, str] = {}
     plans: dict[str, Any] = {}
     torch._dynamo.reset()
-    for budget in budgets:  # one copy each: dynamo guards on the module, not the config
+    for budget in budgets:
         label = f"budget {budget:g}"
         model = copy.deepcopy(shipped)
-        with _memory_budget(budget):
-            run = torch.compile(model)
-            state = _state(run, model, subject, nullcontext)  # compiles here
+        run = torch.compile(model, backend=_inductor_at(budget))
+        state = _exact_state(run, model, subject, nullcontext)  # compiles here
         steps[label] = functools.partial(_step, run, model, subject, nullcontext)
         kinds[label] = "budget"
-        exact[label] = _equal(state, reference) if budget != 1.0 else True
         if budget == 1.0:
             reference = state
+            with _deterministic():
+                again = _state(run, model, subject, nullcontext)
+            reproducible["compiled as shipped"] = _difference(again, reference) == 0.0
+        exact[label] = _difference(state, reference)
     # One compiled converted model for every plan: the plan in scope is part of what
     # dynamo guards on, so each plan gets its own graph.
     run = torch.compile(converted)
-    compiled_reference = _state(run, converted, subject, nullcontext)
-    eager_reference = _state(converted, converted, subject, nullcontext)
+    compiled_reference = _exact_state(run, converted, subject, nullcontext)
+    eager_reference = _exact_state(converted, converted, subject, nullcontext)
+    for family, runner, reference in (
+        ("compiled converted", run, compiled_reference),
+        ("eager converted", converted, eager_reference),
+    ):
+        with _deterministic():
+            again = _state(runner, converted, subject, nullcontext)
+        reproducible[family] = _difference(again, reference) == 0.0
     for fraction in fractions:
         budget = math.ceil(low + fraction * (high - low))
         plan = scopedckpt.plan(
@@ -186,7 +251,7 @@ def measure(name: str, subject: Subject, budgets: tuple, fractions: tuple, round
             ("eager plan", converted, eager_reference),
         ):
             label = f"{kind} {fraction:.0%}"
-            exact[label] = _equal(_state(runner, converted, subject, scope), reference)
+            exact[label] = _difference(_exact_state(runner, converted, subject, scope), reference)
             steps[label] = functools.partial(_step, runner, converted, subject, scope)
             kinds[label] = kind
             plans[label] = plan
@@ -202,7 +267,8 @@ def measure(name: str, subject: Subject, budgets: tuple, fractions: tuple, round
             "step_s": statistics.median(times[label]),
             "ratio": ratio,
             "interval": [lo, hi],
-            "exact": exact[label],
+            "exact": exact[label] == 0.0,
+            "difference": exact[label],
         }
         if label in plans:
             point["plan_budget"] = plans[label].budget
@@ -211,6 +277,8 @@ def measure(name: str, subject: Subject, budgets: tuple, fractions: tuple, round
     return {
         "model": name,
         "rounds": rounds,
+        "reproducible": reproducible,
+        "nondeterministic": nondeterministic,
         "points": points,
         "against": _against(points, times),
     }
@@ -261,17 +329,19 @@ def main(quick: bool) -> None:
             )
         )
         print_rows(rows[-1:])
-    save_paired_results("compile_budget", rows, THREADS, quick)
+    save_paired_results("compile_budget", rows, THREADS, quick, {"exact_deterministic": True})
 
 
 def print_rows(rows: list[dict]) -> None:
     for row in rows:
-        print(f"\n{row['model']}: peak MiB (heap), step / compiled step, exact")
+        print(f"\n{row['model']}: peak MiB (heap), step / compiled step, difference")
+        print(f"  references reproduce themselves: {row['reproducible']}")
+        print(f"  without deterministic algorithms: {row['nondeterministic']:.1e}")
         for p in row["points"]:
             low, high = p["interval"]
             print(
                 f"  {p['label']:<22}{p['peak_bytes'] / 2**20:>9.2f}"
-                f"{p['ratio']:>8.3f} ({low:.3f}-{high:.3f})  {p['exact']}"
+                f"{p['ratio']:>8.3f} ({low:.3f}-{high:.3f})  {p['difference']:.1e}"
             )
         for a in row["against"]:
             cells = []

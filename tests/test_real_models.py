@@ -31,6 +31,7 @@ benchmarks/real_imports.py, and tests/real_models.py turns a missing package int
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Sequence
@@ -128,6 +129,56 @@ def test_plans_train_exactly(family: str, fraction: float) -> None:
         loss_fn=built.loss_fn,
         require_regions=any(b.choice != "none" for b in plan.blocks),
     )
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo's and inductor's own
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_compiled_plan_trains_gpt2_bit_for_bit() -> None:
+    """A plan entered around a compiled GPT-2, dropout on (its regions torch's checkpoint
+    operator in the graph), trains bit for bit as the compiled model without regions, over
+    several AdamW steps. Under ``torch.use_deterministic_algorithms(True)``, as bitwise
+    compiled training needs: without it inductor's CPU embedding backward accumulates with
+    atomic adds, and the compiled model does not reproduce even its own gradients
+    (docs/memory-budget.md, "torch.compile")."""
+    built = hf_gpt2("eager")
+    built.model.train()
+    whole = scopedckpt.plan(
+        built.model, *built.inputs, budget=1.0, blocks=built.targets, loss_fn=built.loss_fn
+    )
+    plan = scopedckpt.plan(
+        built.model,
+        *built.inputs,
+        budget=whole.smallest_budget,
+        blocks=built.targets,
+        loss_fn=built.loss_fn,
+    )
+    assert any(block.choice != "none" for block in plan.blocks)
+
+    def train(planned: bool) -> list[Tensor]:
+        model = copy.deepcopy(built.model)
+        compiled = torch.compile(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scope = scopedckpt.checkpointing(plan.bind(model)) if planned else contextlib.nullcontext()
+        seen: list[Tensor] = []
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            for _ in range(STEPS + 1):
+                with scope:
+                    loss = built.loss_fn(compiled(*built.inputs))
+                loss.backward()
+                seen += [loss.detach(), *(p.grad.clone() for p in model.parameters())]
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        return seen + [p.detach().clone() for p in model.parameters()]
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch._dynamo.reset()
+        assert _equal(train(planned=True), train(planned=False))
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch._dynamo.reset()
 
 
 def test_a_resnet_block_with_a_preset_never_peaks_above_its_prediction() -> None:

@@ -12,12 +12,13 @@ It does not need it either:
   batch-norm running statistics once; its backward graph recomputes from the
   random seeds inductor saved, without the update. So a compiled region is
   exact by itself: compiled with regions is bitwise compiled without on the
-  test models (``tests/test_compile.py``), masks and statistics always; on
-  larger ones inductor may fuse the recompute inside the backward graph
-  otherwise than the forward, a rounding difference (HF GPT-2, 8 layers: 3.8e-8
-  relative, with or without dropout; ``benchmarks/compile_budget.py``). That
-  holds only while the region's body traces in one piece, hence the rest of
-  this note.
+  test models (``tests/test_compile.py``) and on HF GPT-2 under a plan
+  (``tests/test_real_models.py``), masks and statistics always, where the
+  compiled model reproduces itself: inductor lowers an embedding's backward to
+  atomic adds on CPU unless ``torch.use_deterministic_algorithms(True)``, and
+  then even two runs without regions differ (``benchmarks/compile_budget.py``).
+  That holds only while the region's body traces in one piece, hence the rest
+  of this note.
 * Every branch asks ``_paths.where()`` or ``_paths.region_path()`` (NOTE
   [ region paths ]), which read ``torch.compiler.is_dynamo_compiling()``, True
   only in code dynamo traces. ``torch.compiler.is_compiling()`` reads a
