@@ -846,38 +846,3 @@ def test_both_formulations_keep_one_byte_per_element(numel: int) -> None:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         scopedckpt.Dropout(0.3)(x)
     assert sum(t.untyped_storage().nbytes() for t in saved) == numel
-
-
-def test_a_recompute_of_channel_dropout_multiplies_by_the_kept_noise(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """NOTE [ noise on the tape ]: small channel noise is built once, in the first
-    forward; the recompute draws no mask and the gradients are plain training's."""
-    from scopedckpt.layers import _mask
-
-    torch.manual_seed(0)
-    block = scopedckpt.convert(
-        nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Dropout2d(0.4), nn.Dropout2d(0.2))
-    )
-    x = torch.randn(4, 3, 8, 8, requires_grad=True)
-    torch.manual_seed(1)
-    block(x).square().sum().backward()
-    expected = [p.grad.clone() for p in block.parameters()]
-    for p in block.parameters():
-        p.grad = None
-    drawn: list[int] = []
-    generator = _mask._mask_generator
-
-    def counting(device: torch.device) -> torch.Generator:
-        drawn.append(1)
-        return generator(device)
-
-    monkeypatch.setattr(_mask, "_mask_generator", counting)
-    torch.manual_seed(1)
-    with scopedckpt.checkpointing(block):
-        loss = block(x).square().sum()
-    assert len(drawn) == 2  # the first forward's two masks
-    loss.backward()
-    assert len(drawn) == 2  # none in the recompute
-    for p, e in zip(block.parameters(), expected):
-        assert torch.equal(p.grad, e)

@@ -39,7 +39,6 @@ from torch import Tensor
 
 from ..core._errors import ScopedCkptError
 from ..core._names import frame_region_name
-from ..core._own_ops import internal
 from ..core._paths import EAGER, GRAPH, where
 from ..core._replay import tape_value
 from ..core._state import FRAME, RECOMPUTE
@@ -199,22 +198,12 @@ def _seeded_dropout(
     """Dropout from a per-call seed, recorded and replayed in regions (eager code)."""
     shape = tuple(input.shape[:2]) + (1,) * (input.dim() - 2) if feature else tuple(input.shape)
 
-    def decide() -> tuple[bool, int | None, bool, Tensor | None]:
+    def decide() -> tuple[bool, int | None, bool]:
         if not (training and 0.0 < p < 1.0 and input.numel() > 0):
-            return training, None, False, None
-        seed = _draw_seed(generator)
-        noise = None
-        if (
-            feature
-            and save_mask
-            and not alpha
-            and math.prod(shape) * _KEPT_NOISE_RATIO <= (input.numel())
-        ):
-            with internal():  # ops of the first forward alone (NOTE [ selective saving ])
-                noise = Mask(seed, p, shape, input.device, alpha, save_mask).noise(input.dtype)
-        return True, seed, generator is None, noise
+            return training, None, False
+        return True, _draw_seed(generator), generator is None
 
-    (was_training, seed, from_default, noise), phase = tape_value("dropout", owner, decide)
+    (was_training, seed, from_default), phase = tape_value("dropout", owner, decide)
     if seed is not None and phase is RECOMPUTE:
         _redraw(seed, owner, None if from_default else generator)
     if not was_training or p == 0.0 or input.numel() == 0:
@@ -222,23 +211,8 @@ def _seeded_dropout(
     if seed is None:  # p == 1: everything dropped, nothing random
         zero = torch.zeros((), dtype=input.dtype, device=input.device)
         return input.mul_(zero) if inplace else input * zero
-    if noise is not None:  # NOTE [ noise on the tape ]
-        return input.mul_(noise) if inplace else input * noise
     mask = Mask(seed, p, shape, input.device, alpha, save_mask)
     return masked_dropout(input, mask, inplace, recompute=phase is RECOMPUTE)
-
-
-# NOTE [ noise on the tape ]
-# ==========================
-# Channel-wise dropout whose noise (one value per channel, in the input's dtype)
-# has at most 1/_KEPT_NOISE_RATIO of the input's elements keeps that noise in the
-# record of the call: it is the tensor ``input * noise`` saves for backward, so
-# a recompute multiplies by the same tensor instead of rebuilding it (about ten
-# small ops). The record holds it until the region's backward ends, at most
-# 1/_KEPT_NOISE_RATIO of the input's bytes; memory_report counts it as kept.
-# Outside regions the value is built and dropped, as before; the bits are the
-# same either way (the mask is a pure function of the seed).
-_KEPT_NOISE_RATIO = 16
 
 
 # It reads the region's tape: compiled code calls it behind a graph break.

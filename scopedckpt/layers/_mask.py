@@ -249,10 +249,6 @@ class Mask:
         keep = self.keep()
         return keep.to(dtype), (keep if self.save_mask else None)
 
-    def noise(self, dtype: torch.dtype) -> Tensor:
-        """What ``x`` is multiplied by, in ``dtype``: the mask scaled (not alpha dropout)."""
-        return self._noise(self.keep().to(dtype))
-
     def unit(self, kept: Tensor | None, dtype: torch.dtype) -> Tensor:
         """The 0/1 mask in ``dtype`` for backward: from the kept bytes, or drawn again."""
         return (self.keep() if kept is None else kept).to(dtype)

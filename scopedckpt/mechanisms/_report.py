@@ -17,9 +17,8 @@ is open (in any thread: a recompute runs in backward, possibly elsewhere):
   forward, that module's parameters and buffers.
 * *kept*: the region's input tensors (once per storage; parameters excluded),
   plus what its tape holds for the recompute: the generators' states of the
-  RNG replay, the buffer guard's copies, the op outputs a ``save=`` policy
-  keeps and small channel-wise dropout noise (moved from *freed* where the ops
-  also saved them for backward).
+  RNG replay, the buffer guard's copies and the op outputs a ``save=`` policy
+  keeps (moved from *freed* where the ops also saved them for backward).
 * *records*: the scoped-layer decisions on the tape (a dropout seed, a batch
   norm mode: a few bytes each).
 * *recompute time*: wall time inside each recompute, from the moment its frame
@@ -305,15 +304,7 @@ def finish_forward(stats: RegionStats, tape: Tape) -> None:
     """The first forward ended: add what the tape keeps."""
     stats.records = len(tape.records)
     stats.kept_bytes += kept_bytes(tape)  # the RNG stash; the guard's copies counted as taken
-    kept = [  # channel-wise dropout noise (NOTE [ noise on the tape ] in _dropout.py)
-        value
-        for record in tape.records
-        if type(record.value) is tuple
-        for value in record.value
-        if isinstance(value, torch.Tensor)
-    ]
-    kept += kept_tensors(tape)  # outputs kept by save= (NOTE [ selective saving ])
-    for tensor in kept:
+    for tensor in kept_tensors(tape):  # outputs kept by save= (NOTE [ selective saving ])
         key = tensor.untyped_storage().data_ptr()
         counted = stats._freed.pop(key, None)
         if counted is not None and key in stats._seen:

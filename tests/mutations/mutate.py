@@ -499,15 +499,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "runs in eval mode and torch's checkpoint raises a tensor-count mismatch",
     ),
     Mutant(
-        "dropout_noise_rebuilt_in_the_recompute",
-        "scopedckpt/layers/_dropout.py",
-        "    if noise is not None:  # NOTE [ noise on the tape ]",
-        "    if noise is not None and phase is not RECOMPUTE:",
-        ("tests/test_layers.py", "tests/test_report.py"),
-        "channel-wise dropout rebuilds its mask in every recompute: the noise kept for it "
-        "is dead weight",
-    ),
-    Mutant(
         "sampling_verifies_nothing",
         "scopedckpt/core/_sampling.py",
         "    if every and sampled(found.calls - 1, every):",
@@ -1181,8 +1172,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "report_ignores_kept_outputs",
         "scopedckpt/mechanisms/_report.py",
-        "    kept += kept_tensors(tape)  # outputs kept by save=",
-        "    kept += []  # outputs kept by save=",
+        "    for tensor in kept_tensors(tape):  # outputs kept by save=",
+        "    for tensor in []:  # outputs kept by save=",
         ("tests/test_selective.py",),
         "memory_report() counts kept outputs as freed",
     ),
