@@ -178,6 +178,14 @@ def _exact_state(run: Callable[..., Any], model: nn.Module, subject: Subject, sc
     return state
 
 
+def _reproduces(
+    run: Callable[..., Any], model: nn.Module, subject: Subject, reference: list
+) -> bool:
+    """Whether a second run under deterministic algorithms gives ``reference`` bit for bit."""
+    with _deterministic():
+        return _difference(_state(run, model, subject, nullcontext), reference) == 0.0
+
+
 def _nondeterministic_gap(shipped: nn.Module, subject: Subject) -> float:
     """The difference between two runs of ``shipped`` compiled without regions, without
     deterministic algorithms: 0 where compiled training reproduces itself anyway."""
@@ -210,7 +218,7 @@ def measure(name: str, subject: Subject, budgets: tuple, fractions: tuple, round
     low, high = first.smallest_budget, first.no_checkpoint_peak
     nondeterministic = _nondeterministic_gap(shipped, subject)
     steps: dict[str, Callable[[], None]] = {}
-    exact: dict[str, float] = {}  # the difference from the reference: 0 where bitwise
+    difference: dict[str, float] = {}  # from the reference: 0 where bitwise
     reproducible: dict[str, bool] = {}  # each reference, run twice
     kinds: dict[str, str] = {}
     plans: dict[str, Any] = {}
@@ -224,10 +232,8 @@ def measure(name: str, subject: Subject, budgets: tuple, fractions: tuple, round
         kinds[label] = "budget"
         if budget == 1.0:
             reference = state
-            with _deterministic():
-                again = _state(run, model, subject, nullcontext)
-            reproducible["compiled as shipped"] = _difference(again, reference) == 0.0
-        exact[label] = _difference(state, reference)
+            reproducible["compiled as shipped"] = _reproduces(run, model, subject, reference)
+        difference[label] = _difference(state, reference)
     # One compiled converted model for every plan: the plan in scope is part of what
     # dynamo guards on, so each plan gets its own graph.
     run = torch.compile(converted)
@@ -237,9 +243,7 @@ def measure(name: str, subject: Subject, budgets: tuple, fractions: tuple, round
         ("compiled converted", run, compiled_reference),
         ("eager converted", converted, eager_reference),
     ):
-        with _deterministic():
-            again = _state(runner, converted, subject, nullcontext)
-        reproducible[family] = _difference(again, reference) == 0.0
+        reproducible[family] = _reproduces(runner, converted, subject, reference)
     for fraction in fractions:
         budget = math.ceil(low + fraction * (high - low))
         plan = scopedckpt.plan(
@@ -251,7 +255,8 @@ def measure(name: str, subject: Subject, budgets: tuple, fractions: tuple, round
             ("eager plan", converted, eager_reference),
         ):
             label = f"{kind} {fraction:.0%}"
-            exact[label] = _difference(_exact_state(runner, converted, subject, scope), reference)
+            state = _exact_state(runner, converted, subject, scope)
+            difference[label] = _difference(state, reference)
             steps[label] = functools.partial(_step, runner, converted, subject, scope)
             kinds[label] = kind
             plans[label] = plan
@@ -267,8 +272,8 @@ def measure(name: str, subject: Subject, budgets: tuple, fractions: tuple, round
             "step_s": statistics.median(times[label]),
             "ratio": ratio,
             "interval": [lo, hi],
-            "exact": exact[label] == 0.0,
-            "difference": exact[label],
+            "exact": difference[label] == 0.0,
+            "difference": difference[label],
         }
         if label in plans:
             point["plan_budget"] = plans[label].budget
@@ -329,7 +334,7 @@ def main(quick: bool) -> None:
             )
         )
         print_rows(rows[-1:])
-    save_paired_results("compile_budget", rows, THREADS, quick, {"exact_deterministic": True})
+    save_paired_results("compile_budget", rows, THREADS, quick)
 
 
 def print_rows(rows: list[dict]) -> None:

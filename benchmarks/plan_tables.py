@@ -110,30 +110,21 @@ def compile_budget(results: Results) -> list[str]:
     head.append("fastest eager plan at or below it / budget point")
     quick = ["A quick run (`--quick`): fewer points and rounds."] if data.get("quick") else []
     facts = f"torch threads: {data['threads']}; {data['interval']}."
-    if data.get("exact_deterministic"):
-        facts += (
-            " Exactness under `torch.use_deterministic_algorithms(True)`; peaks and times"
-            " without it."
-        )
+    facts += (
+        " Exactness under `torch.use_deterministic_algorithms(True)`; peaks and times without it."
+    )
     for r in data["rows"]:
-        if "reproducible" in r:
-            runs = ", ".join(
-                f"{k} {'yes' if v else '**no**'}" for k, v in r["reproducible"].items()
-            )
-            facts += f" {r['model']}, each reference run twice, bit for bit the same: {runs}."
-        if "nondeterministic" in r:
-            gap = r["nondeterministic"]
-            same = "were bit for bit the same" if gap == 0 else f"differed by {gap:.1e}"
-            facts += f" Deterministic algorithms off, two runs of it compiled as shipped {same}."
+        runs = ", ".join(f"{k} {'yes' if v else '**no**'}" for k, v in r["reproducible"].items())
+        facts += f" {r['model']}, each reference run twice, bit for bit the same: {runs}."
+        gap = r["nondeterministic"]
+        same = "were bit for bit the same" if gap == 0 else f"differed by {gap:.1e}"
+        facts += f" Deterministic algorithms off, two runs of it compiled as shipped {same}."
     return [*quick, *table(header, rows, left=2), "", *table(head, against, left=2), "", facts]
 
 
 def _exact(point: dict[str, Any]) -> str:
     """A point's exactness cell: yes, or no with its largest relative difference."""
-    if point["exact"]:
-        return "yes"
-    difference = point.get("difference")
-    return "**no**" if difference is None else f"**no** ({difference:.1e})"
+    return "yes" if point["exact"] else f"**no** ({point['difference']:.1e})"
 
 
 TABLES = {"plan-summary": plan_summary, "compile-budget": compile_budget}

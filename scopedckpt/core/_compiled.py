@@ -16,7 +16,7 @@ It does not need it either:
   (``tests/test_real_models.py``), masks and statistics always, where the
   compiled model reproduces itself: inductor lowers an embedding's backward to
   atomic adds on CPU unless ``torch.use_deterministic_algorithms(True)``, and
-  then even two runs without regions differ (``benchmarks/compile_budget.py``).
+  without it even two runs without regions differ (``benchmarks/compile_budget.py``).
   That holds only while the region's body traces in one piece, hence the rest
   of this note.
 * Every branch asks ``_paths.where()`` or ``_paths.region_path()`` (NOTE

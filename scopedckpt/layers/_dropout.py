@@ -196,7 +196,6 @@ def _seeded_dropout(
     owner: object,
 ) -> Tensor:
     """Dropout from a per-call seed, recorded and replayed in regions (eager code)."""
-    shape = tuple(input.shape[:2]) + (1,) * (input.dim() - 2) if feature else tuple(input.shape)
 
     def decide() -> tuple[bool, int | None, bool]:
         if not (training and 0.0 < p < 1.0 and input.numel() > 0):
@@ -211,6 +210,7 @@ def _seeded_dropout(
     if seed is None:  # p == 1: everything dropped, nothing random
         zero = torch.zeros((), dtype=input.dtype, device=input.device)
         return input.mul_(zero) if inplace else input * zero
+    shape = tuple(input.shape[:2]) + (1,) * (input.dim() - 2) if feature else tuple(input.shape)
     mask = Mask(seed, p, shape, input.device, alpha, save_mask)
     return masked_dropout(input, mask, inplace, recompute=phase is RECOMPUTE)
 
